@@ -1,0 +1,101 @@
+"""`dls train-model`, `dls profile`, `dls generate`: the worker's commands."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+from shared.cli import CliError
+
+DEFAULT_MODEL_DIR = "models/dls-tiny"
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    _register_train(subparsers)
+    _register_profile(subparsers)
+    _register_generate(subparsers)
+
+
+def _register_train(subparsers) -> None:
+    from services.worker.training import TrainConfig
+
+    p = subparsers.add_parser("train-model", help="train the bundled model on CPU (resumable)")
+    defaults = TrainConfig()
+    for f in dataclasses.fields(TrainConfig):
+        if f.type in ("int", "float", "str"):
+            kind = {"int": int, "float": float, "str": str}[f.type]
+            p.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=getattr(defaults, f.name))
+    p.set_defaults(func=_train)
+
+
+def _train(args: argparse.Namespace) -> int:
+    from services.worker.training import TrainConfig, Trainer
+
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
+    if cfg.steps <= 0 or cfg.batch_size <= 0:
+        raise CliError("--steps and --batch-size must be positive")
+    print(f"training {cfg.output_dir}: {json.dumps(dataclasses.asdict(cfg))}", flush=True)
+    Trainer(cfg).run(log=lambda line: print(line, flush=True))
+    print(f"exported model to {cfg.output_dir}")
+    return 0
+
+
+def _register_profile(subparsers) -> None:
+    p = subparsers.add_parser("profile", help="measure step latency per step kind and batch size")
+    p.add_argument("--model", default=DEFAULT_MODEL_DIR, help="model directory")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--batch-sizes", default="1,2,4,8,16,32")
+    p.add_argument("--context-tokens", type=int, default=128, help="prompt plus generation tokens per request")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--output", default=None, help="default: profiles/<model>-<device>.json")
+    p.set_defaults(func=_profile)
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from services.worker.profiling import profile_model
+
+    try:
+        batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    except ValueError:
+        raise CliError(f"--batch-sizes: expected integers separated by commas, got {args.batch_sizes!r}") from None
+    profile = profile_model(args.model, args.device, batch_sizes, args.context_tokens, args.repeats)
+    output = Path(args.output or f"profiles/{profile['model']}-{profile['device_slug']}.json")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(profile, indent=2) + "\n")
+    print(f"wrote {output}")
+    return 0
+
+
+def _register_generate(subparsers) -> None:
+    p = subparsers.add_parser("generate", help="denoise one prompt with the engine and print the answer")
+    p.add_argument("prompt")
+    p.add_argument("--model", default=DEFAULT_MODEL_DIR)
+    p.add_argument("--threshold", type=float, default=0.9)
+    p.add_argument("--gen-length", type=int, default=None, help="default: the model's training length")
+    p.add_argument("--block-length", type=int, default=None)
+    p.add_argument("--cache", choices=["none", "prefix", "dual"], default="dual")
+    p.add_argument("--show-steps", action="store_true", help="print the canvas after every step")
+    p.set_defaults(func=_generate)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from services.worker.engine import CacheMode, DLMEngine, EngineError
+
+    if not 0.0 <= args.threshold <= 1.0:
+        raise CliError(f"--threshold must be between 0 and 1, got {args.threshold}")
+    try:
+        engine = DLMEngine.from_pretrained(args.model)
+        result = engine.generate(
+            args.prompt, threshold=args.threshold, gen_length=args.gen_length,
+            block_length=args.block_length, cache=CacheMode(args.cache),
+            on_step=(lambda canvas: print(f"  {canvas}", file=sys.stderr)) if args.show_steps else None,
+        )
+    except EngineError as exc:
+        raise CliError(str(exc)) from None
+    print(result.text)
+    print(f"[steps: {result.num_steps}, threshold: {args.threshold}, cache: {args.cache}]", file=sys.stderr)
+    return 0

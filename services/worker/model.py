@@ -1,0 +1,211 @@
+"""The mask predictor: LLaDA's architecture (LLaMA blocks without the causal mask).
+
+RMSNorm, rotary position embeddings at absolute positions, SwiGLU MLP, bidirectional attention.
+Parameter names follow the public LLaDA checkpoint layout
+(``model.transformer.{wte, blocks.N.{attn_norm, q_proj, k_proj, v_proj, attn_out, ff_norm, ff_proj,
+up_proj, ff_out}, ln_f, ff_out}``), so LLaDA weights load without renaming. Options cover the
+Dream family too: grouped-query attention, q/k/v biases, and logits shifted by one position.
+
+Beyond ``input_ids``/``attention_mask``, ``forward`` takes what the denoising engine needs for the
+approximate KV cache: ``context_kv`` (keys and values of cached positions, per layer, RoPE already
+applied), ``context_valid`` (which cached slots are real) and ``return_kv`` (hand back the fresh
+keys and values, to become the cache).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig, PreTrainedModel
+from transformers.modeling_outputs import ModelOutput
+
+
+class DLMConfig(PretrainedConfig):
+    model_type = "dls-dlm"
+
+    def __init__(
+        self,
+        vocab_size: int = 50,
+        d_model: int = 192,
+        n_layers: int = 6,
+        n_heads: int = 6,
+        n_kv_heads: int | None = None,
+        mlp_hidden_size: int = 512,
+        rope_theta: float = 10000.0,
+        rms_norm_eps: float = 1e-5,
+        max_sequence_length: int = 4096,
+        qkv_bias: bool = False,
+        logits_shift: int = 0,
+        mask_token_id: int = 1,
+        pad_token_id: int = 0,
+        eos_token_id: int = 2,
+        **kwargs,
+    ) -> None:
+        self.vocab_size = vocab_size
+        self.d_model = d_model
+        self.n_layers = n_layers
+        self.n_heads = n_heads
+        self.n_kv_heads = n_kv_heads or n_heads
+        self.mlp_hidden_size = mlp_hidden_size
+        self.rope_theta = rope_theta
+        self.rms_norm_eps = rms_norm_eps
+        self.max_sequence_length = max_sequence_length
+        self.qkv_bias = qkv_bias
+        self.logits_shift = logits_shift  # 1 for Dream: position p is predicted by the output at p-1
+        self.mask_token_id = mask_token_id
+        super().__init__(pad_token_id=pad_token_id, eos_token_id=eos_token_id, **kwargs)
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+@dataclass
+class DLMOutput(ModelOutput):
+    """``logits`` [B, Q, V]; ``kv``: per layer (keys, values) of the fresh tokens, [B, H_kv, Q, Dh]."""
+
+    logits: torch.Tensor | None = None
+    kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x * self.weight.float()).to(dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos/sin tables [B, 1, Q, Dh] for absolute ``positions`` [B, Q]."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    freqs = positions.to(torch.float32)[..., None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Block(nn.Module):
+    """One LLaMA block without the causal mask, named as in LLaDA checkpoints."""
+
+    def __init__(self, config: DLMConfig) -> None:
+        super().__init__()
+        d, h, kvh, hd = config.d_model, config.n_heads, config.n_kv_heads, config.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = h, kvh, hd
+        self.attn_norm = RMSNorm(d, config.rms_norm_eps)
+        self.q_proj = nn.Linear(d, h * hd, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(d, kvh * hd, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(d, kvh * hd, bias=config.qkv_bias)
+        self.attn_out = nn.Linear(h * hd, d, bias=False)
+        self.ff_norm = RMSNorm(d, config.rms_norm_eps)
+        self.ff_proj = nn.Linear(d, config.mlp_hidden_size, bias=False)  # gate
+        self.up_proj = nn.Linear(d, config.mlp_hidden_size, bias=False)
+        self.ff_out = nn.Linear(config.mlp_hidden_size, d, bias=False)
+
+    def forward(self, x, cos, sin, key_mask, context_kv=None):
+        batch, q_len, _ = x.shape
+        h = self.attn_norm(x)
+        q = self.q_proj(h).view(batch, q_len, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(h).view(batch, q_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(h).view(batch, q_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        fresh_kv = (k, v)
+        if context_kv is not None:
+            k = torch.cat((context_kv[0], k), dim=2)
+            v = torch.cat((context_kv[1], v), dim=2)
+        attn = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=key_mask, enable_gqa=self.n_kv_heads != self.n_heads
+        )
+        x = x + self.attn_out(attn.transpose(1, 2).reshape(batch, q_len, -1))
+        h = self.ff_norm(x)
+        x = x + self.ff_out(F.silu(self.ff_proj(h)) * self.up_proj(h))
+        return x, fresh_kv
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: DLMConfig) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(config.vocab_size, config.d_model)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.ln_f = RMSNorm(config.d_model, config.rms_norm_eps)
+        self.ff_out = nn.Linear(config.d_model, config.vocab_size, bias=False)  # the LM head
+
+
+class _Body(nn.Module):
+    """Holds ``transformer`` so that names read ``model.transformer...`` as in LLaDA."""
+
+    def __init__(self, config: DLMConfig) -> None:
+        super().__init__()
+        self.transformer = Transformer(config)
+
+
+class DLMForMaskedDiffusion(PreTrainedModel):
+    config_class = DLMConfig
+    base_model_prefix = "model"
+    _supports_sdpa = True
+    _no_split_modules = ["Block"]
+
+    def __init__(self, config: DLMConfig) -> None:
+        super().__init__(config)
+        self.model = _Body(config)
+        self.post_init()
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, std=0.02)
+        elif isinstance(module, RMSNorm):
+            nn.init.ones_(module.weight)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        context_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+        context_valid: torch.Tensor | None = None,
+        return_kv: bool = False,
+        **_: object,
+    ) -> DLMOutput:
+        """``attention_mask`` [B, Q]: 1 for real tokens (0 for left padding, never attended to).
+
+        ``position_ids`` default to counting real tokens from 0. With ``context_kv``, queries also
+        attend to the cached slots where ``context_valid`` [B, C] is true.
+        """
+        batch, q_len = input_ids.shape
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids, dtype=torch.bool)
+        attention_mask = attention_mask.bool()
+        if position_ids is None:
+            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        key_valid = attention_mask if context_valid is None else torch.cat((context_valid.bool(), attention_mask), 1)
+        key_mask = key_valid[:, None, None, :]
+        transformer = self.model.transformer
+        x = transformer.wte(input_ids)
+        cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, x.dtype)
+        fresh = []
+        for i, block in enumerate(transformer.blocks):
+            x, kv = block(x, cos, sin, key_mask, None if context_kv is None else context_kv[i])
+            if return_kv:
+                fresh.append(kv)
+        logits = transformer.ff_out(transformer.ln_f(x))
+        return DLMOutput(logits=logits, kv=fresh if return_kv else None)
+
+    def num_parameters_excluding_embeddings(self) -> int:
+        return sum(p.numel() for n, p in self.named_parameters() if "wte" not in n)

@@ -1,0 +1,157 @@
+"""Step-latency profiles: how long one denoising step takes on an instance.
+
+A profile is a JSON file (see ``profiles/README.md``)::
+
+    {
+      "model": "llada-8b", "device": "H100-SXM-80GB", "measured": false,
+      "dtype": "bf16", "context_tokens": 512, "block_length": 32,
+      "tp": {"1": {"recompute_ms": {"1": 41.0, "8": 60.2, ...},
+                   "cache_ms":     {"1": 11.3, ...}},
+             "2": {...}},
+      "notes": "how the numbers were obtained"
+    }
+
+``recompute_ms`` is a full forward over prompt plus generation (a block start, or every step with no
+cache: ``alpha_d(b)``); ``cache_ms`` is a cache step over the current block (``beta_d(b)``). An
+optional ``full_ms`` is a full step with no cache at all (it writes no KV); where it is absent,
+``recompute_ms`` stands in (``full``).
+Batch sizes between measured ones are interpolated linearly; beyond the largest, extrapolated from
+the last two points (never below the last measured value).
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+STEP_KINDS = ("recompute_ms", "cache_ms")
+OPTIONAL_STEP_KINDS = ("full_ms",)
+
+
+class ProfileError(ValueError):
+    """A profile file is missing fields or has bad values."""
+
+
+@dataclass(frozen=True)
+class _Curve:
+    """Latency (ms) as a function of batch size."""
+
+    batch_sizes: tuple[int, ...]
+    latencies_ms: tuple[float, ...]
+
+    def at(self, batch: float) -> float:
+        xs, ys = self.batch_sizes, self.latencies_ms
+        if len(xs) == 1 or batch <= xs[0]:
+            return ys[0]
+        i = bisect.bisect_left(xs, batch)
+        if i >= len(xs):
+            i = len(xs) - 1
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        value = y0 + (y1 - y0) * (batch - x0) / (x1 - x0)
+        return max(value, ys[-1]) if batch > xs[-1] else value
+
+
+@dataclass(frozen=True)
+class LatencyProfile:
+    """Step latencies per TP degree, step kind and batch size."""
+
+    model: str
+    device: str
+    measured: bool
+    context_tokens: int
+    block_length: int
+    # tp degree -> step kind -> curve
+    curves: dict[int, dict[str, _Curve]] = field(repr=False)
+    notes: str = ""
+
+    @property
+    def tp_degrees(self) -> tuple[int, ...]:
+        return tuple(sorted(self.curves))
+
+    def max_batch(self, tp: int) -> int:
+        return self._curve(tp, "recompute_ms").batch_sizes[-1]
+
+    def alpha(self, tp: int, batch: float) -> float:
+        """Recompute (full forward) step latency in seconds."""
+        return self._curve(tp, "recompute_ms").at(batch) / 1000.0
+
+    def beta(self, tp: int, batch: float) -> float:
+        """Cache step latency in seconds."""
+        return self._curve(tp, "cache_ms").at(batch) / 1000.0
+
+    def full(self, tp: int, batch: float) -> float:
+        """Full step with no KV cache (cache mode ``none``) in seconds; the recompute step if unprofiled."""
+        curve = self.curves.get(tp, {}).get("full_ms")
+        return curve.at(batch) / 1000.0 if curve is not None else self.alpha(tp, batch)
+
+    def step_latency(self, tp: int, batch: float, recompute: bool) -> float:
+        return self.alpha(tp, batch) if recompute else self.beta(tp, batch)
+
+    def token_steps_per_s(self, tp: int, batch: int, cache_fraction: float = 0.0) -> float:
+        """Throughput in (generated token x step) units: batch requests each advance one step.
+
+        ``cache_fraction`` is the share of steps that are cache steps; capacity for Algorithm 2 is
+        this times the number of output tokens each request carries.
+        """
+        step_s = (1 - cache_fraction) * self.alpha(tp, batch) + cache_fraction * self.beta(tp, batch)
+        return batch / step_s
+
+    def _curve(self, tp: int, kind: str) -> _Curve:
+        try:
+            return self.curves[tp][kind]
+        except KeyError:
+            raise ProfileError(f"profile {self.model}/{self.device} has no {kind} for TP {tp}") from None
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "<dict>") -> LatencyProfile:
+        for key in ("model", "device", "tp"):
+            if key not in data:
+                raise ProfileError(f"{source}: missing field '{key}'")
+        curves: dict[int, dict[str, _Curve]] = {}
+        for tp_key, kinds in data["tp"].items():
+            try:
+                tp = int(tp_key)
+            except ValueError:
+                raise ProfileError(f"{source}: tp key '{tp_key}' is not an integer") from None
+            if tp < 1:
+                raise ProfileError(f"{source}: tp degree {tp} must be >= 1")
+            curves[tp] = {kind: _parse_curve(kinds, kind, f"{source}: tp.{tp_key}") for kind in STEP_KINDS}
+            for kind in OPTIONAL_STEP_KINDS:
+                if kind in kinds:
+                    curves[tp][kind] = _parse_curve(kinds, kind, f"{source}: tp.{tp_key}")
+        if not curves:
+            raise ProfileError(f"{source}: field 'tp' is empty")
+        return cls(
+            model=str(data["model"]),
+            device=str(data["device"]),
+            measured=bool(data.get("measured", False)),
+            context_tokens=int(data.get("context_tokens", 0)),
+            block_length=int(data.get("block_length", 0)),
+            curves=curves,
+            notes=str(data.get("notes", "")),
+        )
+
+    @classmethod
+    def load(cls, path: str | Path) -> LatencyProfile:
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise ProfileError(f"profile file not found: {path}") from None
+        except json.JSONDecodeError as exc:
+            raise ProfileError(f"{path}: not valid JSON ({exc})") from None
+        return cls.from_dict(data, source=str(path))
+
+
+def _parse_curve(kinds: dict, kind: str, where: str) -> _Curve:
+    if kind not in kinds:
+        raise ProfileError(f"{where}: missing '{kind}'")
+    points = sorted((int(b), float(ms)) for b, ms in kinds[kind].items())
+    if not points:
+        raise ProfileError(f"{where}.{kind}: no batch sizes")
+    for b, ms in points:
+        if b < 1 or ms <= 0:
+            raise ProfileError(f"{where}.{kind}: batch {b} -> {ms} ms is not positive")
+    return _Curve(tuple(b for b, _ in points), tuple(ms for _, ms in points))
