@@ -1,0 +1,43 @@
+"""The scheduler's pure core: request bookkeeping, the cluster view, and the policies.
+
+No I/O here: no NATS, Redis, asyncio or wall clock. The service adapter and the simulator drive
+the same objects through ``SchedulingLoop``.
+"""
+
+from services.scheduler.core.base import Policy
+from services.scheduler.core.decisions import (
+    Decisions,
+    Rejection,
+    RejectReason,
+    StepAssignment,
+    StepOutcome,
+    StepResult,
+)
+from services.scheduler.core.events import EventKind, EventQueue
+from services.scheduler.core.loop import SchedulingLoop
+from services.scheduler.core.policies import POLICIES, make_config, make_policy, policy_names
+from services.scheduler.core.request import CacheMode, Prediction, Request, RequestStatus
+from services.scheduler.core.view import ClusterView, InstanceView
+
+__all__ = [
+    "POLICIES",
+    "CacheMode",
+    "ClusterView",
+    "Decisions",
+    "EventKind",
+    "EventQueue",
+    "InstanceView",
+    "Policy",
+    "Prediction",
+    "RejectReason",
+    "Rejection",
+    "Request",
+    "RequestStatus",
+    "SchedulingLoop",
+    "StepAssignment",
+    "StepOutcome",
+    "StepResult",
+    "make_config",
+    "make_policy",
+    "policy_names",
+]

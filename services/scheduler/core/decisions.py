@@ -1,0 +1,71 @@
+"""What a policy returns, and the step results it is told about. Plain data, no logic."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+from services.scheduler.core.request import Prediction
+
+
+class RejectReason(IntEnum):
+    DEADLINE_INFEASIBLE = 1  # even the lowest allowed threshold cannot meet the deadline
+    FLOOR_UNSATISFIABLE = 2  # no candidate threshold is at or above the request's quality floor
+    NO_INSTANCE = 3  # the cluster has no live instance that could ever hold it
+
+
+@dataclass(frozen=True, slots=True)
+class StepAssignment:
+    """Run the request's next step on ``instance_id`` at ``threshold``."""
+
+    request_id: str
+    instance_id: str
+    threshold: float
+    is_migration: bool = False  # the state moves from ``from_instance_id`` before the step
+    recompute: bool = True  # the step is a full forward (block start, or no cache)
+    from_instance_id: str | None = None
+    estimated_remaining_s: float = 0.0  # Algorithm 1's estimate at the chosen threshold
+    max_allowed_threshold: float | None = None  # top of the range load control allowed (None: no control)
+
+
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    request_id: str
+    reason: RejectReason
+    detail: str = ""  # human-readable numbers behind the reason
+
+
+@dataclass(slots=True)
+class Decisions:
+    """Everything one ``schedule`` call decided."""
+
+    assignments: list[StepAssignment] = field(default_factory=list)
+    rejections: list[Rejection] = field(default_factory=list)
+
+    @property
+    def migrations(self) -> list[StepAssignment]:
+        return [a for a in self.assignments if a.is_migration]
+
+    def __len__(self) -> int:
+        return len(self.assignments) + len(self.rejections)
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutcome:
+    """One request's part of a finished step."""
+
+    request_id: str
+    num_committed: int  # tokens committed by this step
+    block_done: bool = False  # the current block has no masks left
+    finished: bool = False  # the whole generation is done
+    recompute: bool = True  # the step was a full forward
+    prediction: Prediction | None = None  # fresh remaining-step prediction, if one came with it
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """One instance finished one batched step."""
+
+    instance_id: str
+    outcomes: tuple[StepOutcome, ...]
+    duration_s: float = 0.0

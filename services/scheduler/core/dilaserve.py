@@ -1,0 +1,301 @@
+"""DiLaServe's policy (Algorithms 1-3) and the ablations and fixed-threshold baseline built from it.
+
+One event re-plans only what it must:
+
+- an arrival adds one row to the load table and tries to place the queue head;
+- a step result re-plans the requests of that step (they are READY again): refresh their estimates,
+  re-run load control (vectorised over all rows), place (stay or migrate), choose thresholds;
+- queued requests are visited, highest priority first, only while some instance has a free slot.
+
+Requests whose step is still running are not touched: their thresholds are re-chosen when their step
+ends, which is when a new threshold could take effect anyway.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from services.scheduler.core.base import LogCursor
+from services.scheduler.core.decisions import Decisions, Rejection, RejectReason, StepAssignment, StepResult
+from services.scheduler.core.load import (
+    LoadController,
+    LoadTable,
+    SloWindow,
+    cache_step_weight,
+    cluster_token_steps_per_s,
+)
+from services.scheduler.core.placement import Placement, PlacementConfig, PlacementScratch, Placer
+from services.scheduler.core.request import CacheMode, Request
+from services.scheduler.core.threshold import (
+    DEFAULT_FALLBACK_TOKENS_PER_STEP,
+    DEFAULT_THRESHOLDS,
+    PredictionMode,
+    StepEstimator,
+    ThresholdController,
+    ThresholdGrid,
+)
+from services.scheduler.core.view import ClusterView, StepKind
+
+MAX_QUEUE_MISSES = 64  # queued requests that fit nowhere before an event stops looking further
+
+
+class DiLaServeConfig(BaseModel):
+    """DiLaServe: SLO-aware thresholds, load control, step placement with migration."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    thresholds: tuple[float, ...] = DEFAULT_THRESHOLDS  # candidate thresholds (admin set)
+    # threshold -> tokens per step assumed before a request has a prediction
+    fallback_tokens_per_step: dict[float, float] = Field(default_factory=lambda: dict(DEFAULT_FALLBACK_TOKENS_PER_STEP))
+    prediction: PredictionMode = PredictionMode.ONLINE
+    threshold_control: bool = True  # Algorithm 1; off: every step at fixed_threshold
+    fixed_threshold: float = 0.9
+    load_control: bool = True  # Algorithm 2
+    slo_window: SloWindow | float = SloWindow.MEAN  # capacity window: mean or min SLO, or seconds
+    protected_priority: int | None = 2  # requests at or above this priority keep their full range
+    migration: bool = True
+    migration_margin: float = 0.10
+    migrate_at_recompute_only: bool = True
+    migration_cooldown_steps: int = 4
+    reject_infeasible: bool = False  # reject at placement if even the lowest threshold is too slow
+    tie_break: Literal["first", "random"] = "first"
+
+
+class NoLoadControlConfig(DiLaServeConfig):
+    """Ablation: Algorithm 1 alone, no cluster-wide load control."""
+
+    load_control: bool = False
+
+
+class OneShotConfig(DiLaServeConfig):
+    """Ablation: only the prediction made at arrival (scaled by progress)."""
+
+    prediction: PredictionMode = PredictionMode.ONESHOT
+
+
+class NoMigrationConfig(DiLaServeConfig):
+    """Ablation: placement at admission only; requests never move."""
+
+    migration: bool = False
+
+
+class FixedConfig(DiLaServeConfig):
+    """Baseline ``fixed``: DiLaServe placement and migration with one constant threshold."""
+
+    threshold_control: bool = False
+    load_control: bool = False
+    fixed_threshold: float = 0.9
+
+
+class DiLaServePolicy:
+    """Algorithms 1-3 over a ClusterView; see the module docstring for what an event re-plans."""
+
+    def __init__(self, config: DiLaServeConfig, rng: np.random.Generator, name: str = "dilaserve") -> None:
+        self.name = name
+        self.config = config
+        self.rng = rng
+        # a fixed threshold is always a candidate, so `fixed` runs exactly at it
+        extra = () if config.threshold_control else (config.fixed_threshold,)
+        self.grid = ThresholdGrid(tuple(config.thresholds) + extra)
+        self.estimator = StepEstimator(self.grid, config.fallback_tokens_per_step, config.prediction)
+        self.table = LoadTable(len(self.grid))
+        self.load_controller = LoadController()
+        self.placer = Placer(self._placement_config(config), rng)
+        self._arrivals = LogCursor()
+        self._removals = LogCursor()
+        self._capacity_version = -1
+        self._token_steps_per_s = 0.0
+        self._kappa = 1.0
+        self.capacity = 0.0  # last capacity C (token-steps), for diagnostics
+        self.worst_case_load = 0.0  # last sum of L_r at each request's allowed maximum
+
+    @staticmethod
+    def _placement_config(config: DiLaServeConfig) -> PlacementConfig:
+        return PlacementConfig(
+            migration=config.migration,
+            margin=config.migration_margin,
+            recompute_only=config.migrate_at_recompute_only,
+            cooldown_steps=config.migration_cooldown_steps,
+            random_ties=config.tie_break == "random",
+        )
+
+    @property
+    def _uses_estimates(self) -> bool:
+        return self.config.threshold_control or self.config.load_control or self.config.reject_infeasible
+
+    # the two-call contract
+
+    def on_step_result(self, now: float, result: StepResult) -> None:
+        """Nothing to keep: the step's requests come back READY and are re-planned in schedule()."""
+
+    def schedule(self, now: float, view: ClusterView) -> Decisions:
+        decisions = Decisions()
+        for rid in self._removals.take(view.removal_log):
+            self.table.remove(rid)
+        self._admit(view, decisions)
+        ready = sorted((view.requests[rid] for rid in view.ready_ids), key=_visit_key)
+        if self._uses_estimates and ready:
+            self._refresh(ready)
+        if self.config.load_control:
+            self._control_load(view)
+        scratch = PlacementScratch(view.table)
+        placed = [p for p in (self._place_resident(view, scratch, r) for r in ready) if p is not None]
+        placed += self._place_queued(now, view, scratch, decisions)
+        decisions.assignments.extend(self._assignments(now, view, scratch, placed))
+        return decisions
+
+    # bookkeeping
+
+    def _admit(self, view: ClusterView, decisions: Decisions) -> None:
+        """New arrivals get a load-table row, or a rejection if no threshold honours their floor."""
+        admitted = []
+        for rid in self._arrivals.take(view.arrival_log):
+            request = view.requests.get(rid)
+            if request is None:
+                continue
+            lo, hi = self.grid.request_range(request)
+            if lo > hi:
+                detail = f"floor {request.min_threshold} above every candidate in {self.grid.values}"
+                decisions.rejections.append(Rejection(rid, RejectReason.FLOOR_UNSATISFIABLE, detail))
+            else:
+                admitted.append(request)
+        if self._uses_estimates and admitted:
+            self._refresh(admitted)
+
+    def _refresh(self, requests: list[Request]) -> None:
+        """Fresh remaining-step estimates (and own threshold ranges) into the load table."""
+        recompute, cache = self.estimator.estimate_many(requests)
+        ranges = [self.grid.request_range(r) for r in requests]
+        top = self.config.protected_priority
+        protected = [top is not None and r.priority >= top for r in requests]
+        self.table.upsert_many(requests, recompute, cache, ranges, protected)
+
+    def _control_load(self, view: ClusterView) -> None:
+        if view.num_instance_changes != self._capacity_version:
+            self._capacity_version = view.num_instance_changes
+            self._token_steps_per_s = cluster_token_steps_per_s(view)
+            self._kappa = cache_step_weight(view)
+        window = self.config.slo_window
+        window_s = window if isinstance(window, float | int) else self.table.slo_window(window)
+        self.capacity = self._token_steps_per_s * window_s
+        self.worst_case_load = self.load_controller.run(self.table, self.capacity, self._kappa)
+
+    # placement (Algorithm 3)
+
+    def _place_resident(
+        self, view: ClusterView, scratch: PlacementScratch, request: Request
+    ) -> tuple[Request, Placement] | None:
+        inst = view.instances.get(request.instance_id or "")
+        row, alive = (inst.row, inst.alive) if inst is not None else (-1, False)
+        placement = self.placer.place_resident(scratch, request, row, alive)
+        if placement is None:
+            return None  # its instance is draining and nothing has room: retried next event
+        if placement.is_migration:
+            if row >= 0:
+                scratch.leave(row, request.context_tokens)
+            scratch.join(placement.row, request.context_tokens)
+        return request, placement
+
+    def _place_queued(
+        self, now: float, view: ClusterView, scratch: PlacementScratch, decisions: Decisions
+    ) -> list[tuple[Request, Placement]]:
+        """Queue head first, while some instance has a free slot."""
+        rejected = {r.request_id for r in decisions.rejections}
+        placed = []
+        num_misses = 0
+        for request in view.iter_queued():
+            if scratch.num_free_slots <= 0 or num_misses >= MAX_QUEUE_MISSES:
+                break
+            if request.request_id in rejected:
+                continue
+            placement = self.placer.place_new(scratch, request)
+            if placement is None:
+                num_misses += 1
+                continue
+            rejection = self._infeasible(now, view, scratch, request, placement)
+            if rejection is not None:
+                decisions.rejections.append(rejection)
+                continue
+            scratch.join(placement.row, request.context_tokens)
+            placed.append((request, placement))
+        return placed
+
+    # thresholds (Algorithm 1)
+
+    def _assignments(
+        self, now: float, view: ClusterView, scratch: PlacementScratch, placed: list[tuple[Request, Placement]]
+    ) -> list[StepAssignment]:
+        if not placed:
+            return []
+        requests = [r for r, _ in placed]
+        index, estimate, allowed_hi = self._thresholds(now, scratch, requests, [p.row for _, p in placed])
+        return [
+            StepAssignment(
+                request_id=request.request_id,
+                instance_id=view.row_to_instance_id[placement.row],
+                threshold=self.grid.values[i],
+                is_migration=placement.is_migration,
+                recompute=request.next_step_is_recompute,
+                from_instance_id=request.instance_id if placement.is_migration else None,
+                estimated_remaining_s=e,
+                max_allowed_threshold=self.grid.values[h],
+            )
+            for (request, placement), i, e, h in zip(placed, index, estimate, allowed_hi, strict=True)
+        ]
+
+    def _thresholds(
+        self, now: float, scratch: PlacementScratch, requests: list[Request], rows: list[int]
+    ) -> tuple[list[int], list[float], list[int]]:
+        """Algorithm 1 at each instance's batch after this event's placements (or the fixed threshold).
+
+        Returns per request: the chosen index, its remaining-latency estimate, the allowed maximum.
+        """
+        if not self.config.threshold_control:
+            fixed = self.config.fixed_threshold
+            index = [self.grid.nearest_index(fixed, *self.grid.request_range(r)) for r in requests]
+            return index, [0.0] * len(rows), index
+        table_rows = [self.table.rid_to_row[r.request_id] for r in requests]
+        hi = self.table.allowed_hi if self.config.load_control else self.table.hi
+        no_cache = np.array([r.cache_mode == CacheMode.NONE for r in requests])
+        alpha_kind = np.where(no_cache, StepKind.FULL, StepKind.RECOMPUTE)
+        beta_kind = np.where(no_cache, StepKind.FULL, StepKind.CACHE)
+        budget = np.array([r.deadline for r in requests]) - now
+        index, estimate, _ = ThresholdController.choose_many(
+            self.table.recompute[table_rows],
+            self.table.cache[table_rows],
+            scratch.lat_now[alpha_kind, rows],
+            scratch.lat_now[beta_kind, rows],
+            budget,
+            self.table.lo[table_rows],
+            hi[table_rows],
+        )
+        return index.tolist(), estimate.tolist(), hi[table_rows].tolist()
+
+    def _infeasible(
+        self, now: float, view: ClusterView, scratch: PlacementScratch, request: Request, placement: Placement
+    ) -> Rejection | None:
+        """Early rejection (off by default): the lowest allowed threshold misses the deadline."""
+        if not self.config.reject_infeasible:
+            return None
+        table_row = self.table.rid_to_row[request.request_id]
+        lo = int(self.table.lo[table_row])
+        lat = scratch.table.lat_by_batch[:, placement.row, scratch.batch[placement.row] + 1]
+        no_cache = request.cache_mode == CacheMode.NONE
+        alpha = lat[StepKind.FULL if no_cache else StepKind.RECOMPUTE]
+        beta = lat[StepKind.FULL if no_cache else StepKind.CACHE]
+        estimate = float(self.table.recompute[table_row, lo] * alpha + self.table.cache[table_row, lo] * beta)
+        budget = request.budget(now)
+        if estimate <= budget:
+            return None
+        detail = (
+            f"estimated {estimate:.3f}s at threshold {self.grid.values[lo]} on "
+            f"{view.row_to_instance_id[placement.row]} exceeds the remaining budget {budget:.3f}s"
+        )
+        return Rejection(request.request_id, RejectReason.DEADLINE_INFEASIBLE, detail)
+
+
+def _visit_key(request: Request) -> tuple[int, int]:
+    return -request.priority, request.seq

@@ -1,0 +1,188 @@
+"""Candidate thresholds, remaining-step estimates, and Algorithm 1 (SLO-aware threshold)."""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+import numpy as np
+
+from services.scheduler.core.request import CacheMode, Prediction, Request
+
+DEFAULT_THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
+# threshold -> tokens committed per step, assumed where no prediction exists yet. Fast-dLLM measures
+# ~3.25 tokens/step at 0.9 (LLaDA, GSM8K, block 32); lower thresholds commit more per step.
+DEFAULT_FALLBACK_TOKENS_PER_STEP = {0.5: 6.0, 0.6: 5.0, 0.7: 4.2, 0.8: 3.6, 0.9: 3.2, 0.95: 2.6}
+
+
+class ThresholdGrid:
+    """The admin's candidate thresholds, ascending; requests use index ranges into it."""
+
+    def __init__(self, thresholds: Sequence[float]) -> None:
+        values = sorted(set(float(t) for t in thresholds))
+        if not values or values[0] <= 0 or values[-1] > 1:
+            raise ValueError(f"candidate thresholds must be in (0, 1]: {thresholds}")
+        self.values = tuple(values)
+        self.array = np.array(values)
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def floor_index(self, min_threshold: float) -> int:
+        """First candidate at or above the floor (len(grid) when none is)."""
+        return bisect.bisect_left(self.values, min_threshold - 1e-9)
+
+    def ceil_index(self, max_threshold: float) -> int:
+        """Last candidate at or below the ceiling (-1 when none is)."""
+        return bisect.bisect_right(self.values, max_threshold + 1e-9) - 1
+
+    def request_range(self, request: Request) -> tuple[int, int]:
+        """(lowest, highest) allowed index for a request; lowest > highest when none is allowed."""
+        return self.floor_index(request.min_threshold), self.ceil_index(request.max_threshold)
+
+    def nearest_index(self, threshold: float, lo: int, hi: int) -> int:
+        """The candidate closest to ``threshold`` inside [lo, hi] (ties: the higher one)."""
+        i = min(max(bisect.bisect_left(self.values, threshold - 1e-9), lo), hi)
+        if i > lo and abs(self.values[i - 1] - threshold) < abs(self.values[i] - threshold):
+            return i - 1
+        return i
+
+
+class PredictionMode(StrEnum):
+    ONLINE = "online"  # the latest prediction (step predictor updated as the request runs)
+    ONESHOT = "oneshot"  # only the prediction made at arrival, scaled by token progress
+
+
+class StepEstimator:
+    """Remaining (recompute, cache) steps per candidate threshold for a request.
+
+    Sources, in order: the latest prediction (ONLINE) or the first one (ONESHOT); for thresholds a
+    prediction lacks, or requests with no prediction yet, the fallback: remaining tokens divided by
+    an assumed tokens-per-step at that threshold. With a cache, the number of recompute steps left is
+    known exactly (one per block not yet started), so it always comes from the request's counters;
+    the rest of the predicted total is cache steps. Without a cache every step is a full step and is
+    counted as a recompute step.
+    """
+
+    def __init__(
+        self,
+        grid: ThresholdGrid,
+        fallback_tokens_per_step: Mapping[float, float],
+        mode: PredictionMode = PredictionMode.ONLINE,
+    ) -> None:
+        self.grid = grid
+        self.mode = mode
+        self.rates = np.array([self._fallback_rate(fallback_tokens_per_step, t) for t in grid.values])
+
+    def estimate(self, request: Request) -> tuple[np.ndarray, np.ndarray]:
+        """(recompute steps, cache steps), one entry per candidate threshold."""
+        recompute, cache = self.estimate_many([request])
+        return recompute[0], cache[0]
+
+    def estimate_many(self, requests: Sequence[Request]) -> tuple[np.ndarray, np.ndarray]:
+        """(recompute, cache) steps, each (len(requests), num_thresholds).
+
+        Totals are made non-decreasing in the threshold (a higher threshold never needs fewer
+        steps), which noisy predictions can violate and the load controller relies on.
+        """
+        totals = self._fallback_totals(requests)
+        self._apply_predictions(requests, totals)
+        totals = np.maximum.accumulate(totals, axis=1)
+        no_cache = np.array([r.cache_mode == CacheMode.NONE for r in requests])
+        num_recompute = np.array([r.num_remaining_recompute_steps for r in requests], dtype=float)
+        recompute = np.where(no_cache[:, None], totals, np.minimum(num_recompute[:, None], totals))
+        return recompute, totals - recompute
+
+    def _fallback_totals(self, requests: Sequence[Request]) -> np.ndarray:
+        """Remaining tokens / tokens-per-step, at least one step per block not yet started."""
+        remaining = np.array([r.num_remaining_tokens for r in requests], dtype=float)
+        floor = np.array([r.num_remaining_recompute_steps for r in requests], dtype=float)
+        totals = np.ceil(remaining[:, None] / self.rates[None, :])
+        return np.where(remaining[:, None] > 0, np.maximum(totals, floor[:, None]), 0.0)
+
+    def _apply_predictions(self, requests: Sequence[Request], totals: np.ndarray) -> None:
+        """Overwrite fallback totals (in place) where a usable prediction exists."""
+        online = self.mode == PredictionMode.ONLINE
+        indexed = [(i, r, r.prediction if online else r.first_prediction) for i, r in enumerate(requests)]
+        indexed = [(i, r, p) for i, r, p in indexed if p is not None]
+        if not indexed:
+            return
+        missing = (np.nan, np.nan)
+        steps = np.array(
+            [[p.threshold_to_steps.get(t, missing) for t in self.grid.values] for _, _, p in indexed], dtype=float
+        ).sum(axis=2)
+        rows = [i for i, _, _ in indexed]
+        scale, elapsed = np.array([self._staleness(r, p) for _, r, p in indexed]).T
+        floor = np.array([r.num_remaining_recompute_steps if r.num_remaining_tokens else 0 for _, r, _ in indexed])
+        predicted = np.maximum(scale[:, None] * steps - elapsed[:, None], floor[:, None])
+        totals[rows] = np.where(np.isnan(predicted), totals[rows], predicted)
+
+    def _staleness(self, request: Request, prediction: Prediction) -> tuple[float, float]:
+        """(scale, steps to subtract) turning a past prediction into a remaining count now."""
+        if self.mode == PredictionMode.ONESHOT:
+            return request.num_remaining_tokens / max(request.gen_len, 1), 0.0
+        return 1.0, float(max(request.num_steps_done - prediction.made_at_step, 0))
+
+    @staticmethod
+    def _fallback_rate(rates: Mapping[float, float], threshold: float) -> float:
+        """Tokens per step at ``threshold``: exact key, else linear between neighbours."""
+        points = sorted((float(t), float(r)) for t, r in rates.items())
+        xs = [x for x, _ in points]
+        i = bisect.bisect_left(xs, threshold - 1e-9)
+        if i < len(xs) and abs(xs[i] - threshold) < 1e-9:
+            return points[i][1]
+        if i == 0 or i == len(xs):
+            return points[min(i, len(xs) - 1)][1]
+        (x0, y0), (x1, y1) = points[i - 1], points[i]
+        return y0 + (y1 - y0) * (threshold - x0) / (x1 - x0)
+
+
+@dataclass(frozen=True, slots=True)
+class ThresholdChoice:
+    index: int
+    estimated_s: float  # remaining latency at that threshold
+    fits: bool  # the estimate fits the remaining budget
+
+
+class ThresholdController:
+    """Algorithm 1: the highest allowed threshold whose remaining-latency estimate fits the budget.
+
+    ``est(tau) = n_rec(tau) * alpha_d(b) + n_cache(tau) * beta_d(b)`` at the batch ``b`` the
+    instance will run; if no allowed threshold fits, the lowest allowed one (fastest).
+    """
+
+    @staticmethod
+    def choose(
+        recompute: Sequence[float],
+        cache: Sequence[float],
+        alpha_s: float,
+        beta_s: float,
+        budget_s: float,
+        lo: int,
+        hi: int,
+    ) -> ThresholdChoice:
+        index, estimate, fits = ThresholdController.choose_many(
+            np.asarray([recompute], dtype=float),
+            np.asarray([cache], dtype=float),
+            np.array([alpha_s]),
+            np.array([beta_s]),
+            np.array([budget_s]),
+            np.array([lo]),
+            np.array([hi]),
+        )
+        return ThresholdChoice(int(index[0]), float(estimate[0]), bool(fits[0]))
+
+    @staticmethod
+    def choose_many(recompute, cache, alpha_s, beta_s, budget_s, lo, hi) -> tuple[np.ndarray, ...]:
+        """Row-wise ``choose`` over arrays: (index, estimate at it, fits) per request."""
+        estimate = recompute * alpha_s[:, None] + cache * beta_s[:, None]
+        cols = np.arange(estimate.shape[1])
+        allowed = (cols >= lo[:, None]) & (cols <= hi[:, None])
+        feasible = allowed & (estimate <= budget_s[:, None])
+        fits = feasible.any(axis=1)
+        highest = estimate.shape[1] - 1 - np.argmax(feasible[:, ::-1], axis=1)
+        index = np.where(fits, highest, lo)
+        rows = np.arange(len(index))
+        return index, estimate[rows, index], fits
