@@ -14,6 +14,8 @@ import sys
 _SUBCOMMAND_MODULES = (
     "services.worker.cli",  # train-model, profile, generate
     "services.reconfigurator.cli",  # reconfig solve
+    "services.predictor.cli",  # collect-traces, train-predictor
+    "sim.cli",  # sim, compare, capacity
 )
 
 

@@ -42,6 +42,7 @@ class DLMConfig(PretrainedConfig):
         mask_token_id: int = 1,
         pad_token_id: int = 0,
         eos_token_id: int = 2,
+        tie_word_embeddings: bool = False,
         **kwargs,
     ) -> None:
         self.vocab_size = vocab_size
@@ -56,6 +57,7 @@ class DLMConfig(PretrainedConfig):
         self.qkv_bias = qkv_bias
         self.logits_shift = logits_shift  # 1 for Dream: position p is predicted by the output at p-1
         self.mask_token_id = mask_token_id
+        self.tie_word_embeddings = tie_word_embeddings  # Dream checkpoints may share wte and the LM head
         super().__init__(pad_token_id=pad_token_id, eos_token_id=eos_token_id, **kwargs)
 
     @property

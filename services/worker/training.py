@@ -21,7 +21,7 @@ from tqdm import tqdm
 from services.worker.model import DLMConfig, DLMForMaskedDiffusion
 from services.worker.reference import reference_generate
 from services.worker.tokenizer import CharTokenizer
-from shared.tasks import Problem, Split, TaskGenerator, check_answer
+from shared.tasks import Family, Problem, Split, TaskGenerator, check_answer
 
 MASK_EPS = 1e-3
 
@@ -38,8 +38,9 @@ class TrainConfig:
     gen_length: int = 16
     block_length: int = 8
     max_shots: int = 8
+    add_share: float = 0.5  # share of arithmetic queries (the rest: the word task)
     # few-shot count k is drawn with weight shot_weights[k]: mostly short prompts (cheap), all seen
-    shot_weights: list[float] = field(default_factory=lambda: [4, 3, 2, 2, 1, 1, 1, 1, 1])
+    shot_weights: list[float] = field(default_factory=lambda: [8, 4, 2, 1, 1, 1, 1, 1, 1])
     d_model: int = 192
     n_layers: int = 6
     n_heads: int = 6
@@ -119,7 +120,11 @@ class Trainer:
         self.history: list[dict] = []
         self.rng = random.Random(cfg.seed)
         self.generator = torch.Generator().manual_seed(cfg.seed)
-        self.tasks = TaskGenerator(seed=cfg.seed)
+        self.tasks = self._task_generator(cfg.seed)
+
+    def _task_generator(self, seed: int) -> TaskGenerator:
+        share = self.cfg.add_share
+        return TaskGenerator(seed=seed, family_weights={Family.ADD: share, Family.WORDS: 1 - share})
 
     def _model_config(self) -> DLMConfig:
         c, t = self.cfg, CharTokenizer()
@@ -142,7 +147,7 @@ class Trainer:
         self.step, self.elapsed_s, self.history = state["step"], state["elapsed_s"], state["history"]
         self.rng.setstate(state["rng"])
         self.generator.set_state(state["generator"])
-        self.tasks = TaskGenerator(seed=self.cfg.seed + self.step)  # a fresh stream after resuming
+        self.tasks = self._task_generator(self.cfg.seed + self.step)  # a fresh stream after resuming
         return True
 
     def save_checkpoint(self) -> None:

@@ -1,0 +1,177 @@
+"""Engine benchmark: the speed-quality trade-off of the bundled model, throughput, and the cache's gain.
+
+    python -m bench.engine --json runs/bench-engine.json [--problems 500] [--quick]
+
+Figures (all measured in this run):
+
+* ``accuracy`` / ``mean_steps`` (no cache) and ``accuracy_dual_cache`` / ``mean_steps_dual_cache``
+  by threshold, on held-out problems with few-shot prompts (0 to ``--max-shots`` examples);
+  accuracy is exact match for arithmetic and validity for the word task (``shared.tasks``);
+  ``accuracy_by_family`` splits them.
+* ``tokens_per_s`` by batch size: committed tokens per second, dual cache, threshold 0.9.
+* ``cache_step_over_recompute_step``: median dual-cache step time over median recompute step time,
+  at batch 8, prompt plus generation of at least 128 tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from services.worker.engine import CacheMode, DLMEngine, StepKind
+from shared.tasks import Family, Split, TaskGenerator, check_answer
+
+THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
+THROUGHPUT_BATCHES = (1, 4, 8)
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def decode_problems(engine: DLMEngine, problems, threshold: float, mode: CacheMode, batch_size: int):
+    """Answers and step counts for every problem, run in batches of ``batch_size``."""
+    texts, steps = [], []
+    for start in range(0, len(problems), batch_size):
+        chunk = problems[start : start + batch_size]
+        states = [engine.new_request(f"q{start + i}", engine.encode(p.prompt), cache_mode=mode) for i, p in enumerate(chunk)]
+        engine.run_to_completion([(s, threshold) for s in states])
+        texts += [engine.decode(s.canvas) for s in states]
+        steps += [s.num_steps for s in states]
+    return texts, steps
+
+
+def quality_sweep(engine: DLMEngine, problems, mode: CacheMode, batch_size: int) -> dict:
+    accuracy, mean_steps, by_family = {}, {}, {}
+    for tau in THRESHOLDS:
+        started = time.perf_counter()
+        texts, steps = decode_problems(engine, problems, tau, mode, batch_size)
+        correct = [check_answer(p, t) for p, t in zip(problems, texts, strict=True)]
+        key = str(tau)
+        accuracy[key] = round(sum(correct) / len(problems), 4)
+        mean_steps[key] = round(sum(steps) / len(problems), 3)
+        by_family[key] = {
+            f.value: round(_mean([c for p, c in zip(problems, correct, strict=True) if p.family is f]), 4)
+            for f in Family
+        }
+        log(f"{mode.value:>5} tau={tau}: accuracy {accuracy[key]:.3f}, mean steps {mean_steps[key]:.2f} "
+            f"({time.perf_counter() - started:.1f}s)")
+    return {"accuracy": accuracy, "mean_steps": mean_steps, "by_family": by_family}
+
+
+def _mean(values) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def tokens_per_second(engine: DLMEngine, problems, batch_size: int) -> float:
+    """Committed tokens per second, running ``problems`` in batches at threshold 0.9, dual cache."""
+    committed, elapsed = 0, 0.0
+    for start in range(0, len(problems), batch_size):
+        states = [
+            engine.new_request(f"t{start + i}", engine.encode(p.prompt), cache_mode=CacheMode.DUAL)
+            for i, p in enumerate(problems[start : start + batch_size])
+        ]
+        active = [(s, 0.9) for s in states]
+        began = time.perf_counter()
+        while active:
+            committed += sum(len(r.committed_positions) for r in engine.step(active))
+            active = [(s, t) for s, t in active if not s.finished]
+        elapsed += time.perf_counter() - began
+    return committed / elapsed
+
+
+def cache_ratio(engine: DLMEngine, problems, batch_size: int = 8, repeats: int = 10) -> dict:
+    """Median dual-cache step time over median recompute step time at ``batch_size``."""
+    recompute, cache = [], []
+    for r in range(repeats + 1):
+        chunk = problems[(r * batch_size) % len(problems) :][:batch_size]
+        states = [engine.new_request(f"c{r}-{i}", engine.encode(p.prompt), cache_mode=CacheMode.DUAL) for i, p in enumerate(chunk)]
+        for target in (recompute, cache):
+            began = time.perf_counter()
+            results = engine.step([(s, 1.0) for s in states])
+            target.append(time.perf_counter() - began)
+        assert results[0].kind is StepKind.CACHE
+        for s in states:
+            engine.drop(s.request_id)
+    rec, cac = statistics.median(recompute[1:]), statistics.median(cache[1:])
+    return {"ratio": round(cac / rec, 4), "recompute_ms": round(rec * 1000, 3), "cache_ms": round(cac * 1000, 3)}
+
+
+def long_prompt_problems(count: int, min_tokens: int, gen_length: int, seed: int):
+    gen = TaskGenerator(seed=seed)
+    out = []
+    while len(out) < count:
+        p = gen.problem(8, Split.HELD_OUT)
+        if len(p.prompt) + gen_length >= min_tokens:
+            out.append(p)
+    return out
+
+
+def run(args: argparse.Namespace) -> dict:
+    torch.manual_seed(0)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    engine = DLMEngine.from_pretrained(args.model)
+    problems = TaskGenerator(seed=args.seed).problems(args.problems, max_shots=args.max_shots, split=Split.HELD_OUT)
+    log(f"{len(problems)} held-out problems, {args.max_shots} shots at most, model {args.model}")
+    none = quality_sweep(engine, problems, CacheMode.NONE, args.batch_size)
+    dual = quality_sweep(engine, problems, CacheMode.DUAL, args.batch_size)
+    throughput_problems = problems[: args.throughput_problems]
+    tps = {str(b): round(tokens_per_second(engine, throughput_problems, b), 2) for b in THROUGHPUT_BATCHES}
+    log(f"tokens/s by batch: {tps}")
+    long_problems = long_prompt_problems(8 * 11, 128, engine.default_gen_length, args.seed + 1)
+    ratio = cache_ratio(engine, long_problems)
+    log(f"cache step / recompute step at batch 8: {ratio}")
+    return {
+        "model": args.model,
+        "problems": len(problems),
+        "max_shots": args.max_shots,
+        "gen_length": engine.default_gen_length,
+        "block_length": engine.default_block_length,
+        "thresholds": [str(t) for t in THRESHOLDS],
+        "accuracy": none["accuracy"],
+        "mean_steps": none["mean_steps"],
+        "accuracy_dual_cache": dual["accuracy"],
+        "mean_steps_dual_cache": dual["mean_steps"],
+        "accuracy_by_family": none["by_family"],
+        "accuracy_by_family_dual_cache": dual["by_family"],
+        "tokens_per_s": tps,
+        "tokens_per_s_batch8_over_batch1": round(tps["8"] / tps["1"], 3),
+        "cache_step_over_recompute_step": ratio["ratio"],
+        "cache_step_detail": {**ratio, "batch": 8, "min_context_tokens": 128},
+        "device": "cpu",
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", help="write the figures to this path too")
+    parser.add_argument("--model", default="models/dls-tiny")
+    parser.add_argument("--problems", type=int, default=500)
+    parser.add_argument("--max-shots", type=int, default=5)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--throughput-problems", type=int, default=48)
+    parser.add_argument("--seed", type=int, default=2026)
+    parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="60 problems: a smoke run, not the figures")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.problems, args.throughput_problems = 60, 16
+    result = run(args)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""Fitting a :class:`StepModel` from feature rows and remaining-step labels (no file or trace I/O)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import lightgbm as lgb
+import numpy as np
+
+from services.predictor.core.model import StepModel, TargetTransform
+from shared.features import FEATURE_SETS, NUM_FEATURES, THRESHOLD_INDEX
+
+
+@dataclass(frozen=True)
+class TrainParams:
+    """LightGBM settings sized for a few thousand rows (about 100 requests and more).
+
+    Errors are judged relative, so the boosters fit the median of log(1 + steps) (L1 on the log):
+    on the bundled model's traces that beats L2 on log steps by a third for the progress model.
+    LightGBM cannot combine L1 with a monotone constraint; predictions are made monotone in the
+    threshold afterwards (``InProcessPredictor``), which the load controller relies on.
+    """
+
+    num_rounds: int = 200
+    learning_rate: float = 0.05
+    num_leaves: int = 15
+    min_data_in_leaf: int = 10
+    lambda_l2: float = 1.0
+    objective: str = "l1"
+    target_transform: str = TargetTransform.LOG1P
+    monotone_in_threshold: bool = False  # a LightGBM constraint; only for objectives that allow it (l2)
+    seed: int = 0
+
+    def lightgbm_params(self, num_features: int) -> dict:
+        params = {
+            "objective": self.objective,
+            "learning_rate": self.learning_rate,
+            "num_leaves": self.num_leaves,
+            "min_data_in_leaf": self.min_data_in_leaf,
+            "lambda_l2": self.lambda_l2,
+            "num_threads": 1,
+            "deterministic": True,
+            "force_row_wise": True,
+            "seed": self.seed,
+            "verbosity": -1,
+        }
+        if self.monotone_in_threshold:  # LightGBM refuses the constraint for some objectives (l1)
+            params["monotone_constraints"] = [1 if i == THRESHOLD_INDEX else 0 for i in range(num_features)]
+        return params
+
+
+def default_params(feature_set: str) -> TrainParams:
+    """The arrival (one-shot) model sees one row per request and four features: keep it small."""
+    if feature_set == "arrival":
+        return TrainParams(num_leaves=4, min_data_in_leaf=20)
+    return TrainParams()
+
+
+class TrainingError(ValueError):
+    """Training data that cannot produce a model (no rows, bad shapes, bad labels)."""
+
+
+def train_step_model(
+    rows: np.ndarray,
+    remaining_steps: np.ndarray,
+    remaining_recompute: np.ndarray,
+    feature_set: str = "progress_confidence",
+    params: TrainParams | None = None,
+    card: dict | None = None,
+) -> StepModel:
+    """Fit the total and recompute boosters on full 11-feature ``rows`` restricted to ``feature_set``."""
+    params = params or default_params(feature_set)
+    columns = _check(rows, remaining_steps, remaining_recompute, feature_set)
+    lgb_params = params.lightgbm_params(columns.shape[1])
+    boosters = [
+        lgb.train(
+            lgb_params,
+            lgb.Dataset(columns, TargetTransform.forward(params.target_transform, np.asarray(y, dtype=float)),
+                        feature_name=list(FEATURE_SETS[feature_set]), free_raw_data=False),
+            num_boost_round=params.num_rounds,
+        )
+        for y in (remaining_steps, remaining_recompute)
+    ]
+    info = {**(card or {}), "params": dataclasses.asdict(params), "num_rows": int(len(columns))}
+    return StepModel(feature_set, boosters[0], boosters[1], params.target_transform, info)
+
+
+def _check(rows, remaining_steps, remaining_recompute, feature_set: str) -> np.ndarray:
+    if feature_set not in FEATURE_SETS:
+        raise TrainingError(f"unknown feature set {feature_set!r} (known: {', '.join(FEATURE_SETS)})")
+    rows = np.asarray(rows, dtype=float)
+    if rows.ndim != 2 or rows.shape[1] != NUM_FEATURES:
+        raise TrainingError(f"expected rows of {NUM_FEATURES} features, got shape {rows.shape}")
+    if len(rows) == 0:
+        raise TrainingError("no training rows")
+    for name, labels in (("remaining_steps", remaining_steps), ("remaining_recompute", remaining_recompute)):
+        labels = np.asarray(labels, dtype=float)
+        if labels.shape != (len(rows),):
+            raise TrainingError(f"{name}: expected {len(rows)} labels, got shape {labels.shape}")
+        if not np.all(np.isfinite(labels)) or np.any(labels < 0):
+            raise TrainingError(f"{name}: labels must be finite and non-negative")
+    return rows[:, : len(FEATURE_SETS[feature_set])]

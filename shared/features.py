@@ -1,0 +1,131 @@
+"""The step predictor's 11 features, computed in one place for the worker, scheduler, simulator and trainer.
+
+A feature row describes a request *between* steps, plus the threshold that the request would use
+from now on (the scheduler asks "how many steps remain if I switch to tau?", so the threshold is a
+free input and everything else is the request's state):
+
+=================  ========================================================================
+threshold          the threshold to be used for the remaining steps
+output_length      generation length (canvas positions)
+prompt_length      prompt tokens
+block_length       semi-autoregressive block length
+full_progress      committed fraction of the output
+block_progress     committed fraction of the block the last step decoded (0 before any step)
+conf_min .. q75    min, q25, median, mean, q75 of the confidences of that block's positions
+                   still masked after the last step (the engine's ``ConfidenceStats``; 1.0 when
+                   none is masked; NaN before the first step: LightGBM treats NaN as missing)
+=================  ========================================================================
+
+*One-shot* (arrival-time) features are the same row with zero progress and missing confidences;
+the one-shot model reads only :data:`ARRIVAL_FEATURE_NAMES` of it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:  # the worker imports shared, not the other way round
+    from services.worker.engine import RequestState, StepResult
+
+FEATURE_NAMES: tuple[str, ...] = (
+    "threshold",
+    "output_length",
+    "prompt_length",
+    "block_length",
+    "full_progress",
+    "block_progress",
+    "conf_min",
+    "conf_q25",
+    "conf_median",
+    "conf_mean",
+    "conf_q75",
+)
+NUM_FEATURES = len(FEATURE_NAMES)
+ARRIVAL_FEATURE_NAMES = FEATURE_NAMES[:4]  # known when the request arrives
+PROGRESS_FEATURE_NAMES = FEATURE_NAMES[:6]  # arrival plus unmasking progress
+CONFIDENCE_FEATURE_NAMES = FEATURE_NAMES[6:]
+THRESHOLD_INDEX = 0
+
+# feature set name -> the features a model of that set reads (each a prefix of FEATURE_NAMES)
+FEATURE_SETS: dict[str, tuple[str, ...]] = {
+    "arrival": ARRIVAL_FEATURE_NAMES,
+    "progress": PROGRESS_FEATURE_NAMES,
+    "progress_confidence": FEATURE_NAMES,
+}
+
+MISSING = math.nan
+
+
+class ConfidenceLike(Protocol):
+    """Anything with the engine's ``ConfidenceStats`` fields."""
+
+    min: float
+    q25: float
+    median: float
+    mean: float
+    q75: float
+
+
+def confidence_values(confidence: ConfidenceLike | Sequence[float] | None) -> list[float]:
+    """(min, q25, median, mean, q75) from stats or a 5-sequence; all missing when None."""
+    if confidence is None:
+        return [MISSING] * len(CONFIDENCE_FEATURE_NAMES)
+    if isinstance(confidence, Sequence):
+        if len(confidence) != len(CONFIDENCE_FEATURE_NAMES):
+            raise ValueError(f"expected {len(CONFIDENCE_FEATURE_NAMES)} confidence values, got {len(confidence)}")
+        return [float(v) for v in confidence]
+    return [float(confidence.min), float(confidence.q25), float(confidence.median), float(confidence.mean),
+            float(confidence.q75)]
+
+
+def step_features(
+    threshold: float,
+    gen_length: int,
+    prompt_length: int,
+    block_length: int,
+    num_committed: int,
+    block_committed: int,
+    confidence: ConfidenceLike | Sequence[float] | None,
+    block_size: int | None = None,
+) -> list[float]:
+    """The 11 features, in :data:`FEATURE_NAMES` order.
+
+    ``block_committed`` counts committed positions of the block the last step decoded, whose size
+    is ``block_size`` (the last block may be shorter than ``block_length``; default: block_length).
+    """
+    block_size = block_size or block_length
+    return [
+        float(threshold),
+        float(gen_length),
+        float(prompt_length),
+        float(block_length),
+        num_committed / gen_length,
+        block_committed / block_size,
+        *confidence_values(confidence),
+    ]
+
+
+def arrival_features(threshold: float, gen_length: int, prompt_length: int, block_length: int) -> list[float]:
+    """The row for a request that has run no step yet (the one-shot estimate's input)."""
+    return step_features(threshold, gen_length, prompt_length, block_length, 0, 0, None)
+
+
+def features_after_step(state: RequestState, result: StepResult, mask_id: int, threshold: float | None = None) -> list[float]:
+    """Features of an engine request right after ``result`` (``state`` already updated in place).
+
+    ``threshold`` is the one to be used from now on (default: the one the step ran at).
+    """
+    start, end = state.block_bounds(result.block_index)
+    block_committed = sum(1 for token in state.canvas[start:end] if token != mask_id)
+    return step_features(
+        result.threshold if threshold is None else threshold,
+        state.gen_length,
+        len(state.prompt_ids),
+        state.block_length,
+        state.gen_length - result.num_masked,
+        block_committed,
+        result.confidence,
+        block_size=end - start,
+    )

@@ -1,0 +1,56 @@
+import math
+
+import pytest
+
+from services.worker.engine import ConfidenceStats, RequestState, StepKind, StepResult
+from shared.features import (
+    ARRIVAL_FEATURE_NAMES,
+    FEATURE_NAMES,
+    FEATURE_SETS,
+    arrival_features,
+    features_after_step,
+    step_features,
+)
+
+
+def test_eleven_features_in_documented_order():
+    assert len(FEATURE_NAMES) == 11
+    row = step_features(0.8, 16, 40, 8, 4, 2, ConfidenceStats(0.1, 0.2, 0.3, 0.35, 0.5))
+    assert dict(zip(FEATURE_NAMES, row, strict=True)) == {
+        "threshold": 0.8, "output_length": 16.0, "prompt_length": 40.0, "block_length": 8.0,
+        "full_progress": 0.25, "block_progress": 0.25,
+        "conf_min": 0.1, "conf_q25": 0.2, "conf_median": 0.3, "conf_mean": 0.35, "conf_q75": 0.5,
+    }
+
+
+def test_feature_sets_are_prefixes():
+    for names in FEATURE_SETS.values():
+        assert FEATURE_NAMES[: len(names)] == names
+
+
+def test_arrival_row_has_no_progress_and_missing_confidence():
+    row = arrival_features(0.9, 16, 30, 8)
+    assert row[: len(ARRIVAL_FEATURE_NAMES)] == [0.9, 16.0, 30.0, 8.0]
+    assert row[4:6] == [0.0, 0.0]
+    assert all(math.isnan(v) for v in row[6:])
+
+
+def test_confidence_as_sequence_and_bad_length():
+    assert step_features(0.5, 8, 4, 8, 0, 0, (1, 1, 1, 1, 1))[6:] == [1.0] * 5
+    with pytest.raises(ValueError):
+        step_features(0.5, 8, 4, 8, 0, 0, (1, 1))
+
+
+def test_short_last_block_reaches_full_block_progress():
+    assert step_features(0.5, 12, 4, 8, 12, 4, None, block_size=4)[5] == 1.0
+
+
+def test_features_after_step_reads_the_decoded_block():
+    mask = 1
+    state = RequestState("r", [7, 7, 7], [5, 5, 5, 5, 5, mask, mask, mask, mask, mask], block_length=4)
+    stats = ConfidenceStats(0.2, 0.3, 0.4, 0.4, 0.5)
+    result = StepResult("r", StepKind.CACHE, 1, [4], [5], False, 3, 5, stats, 0.7)
+    row = features_after_step(state, result, mask)
+    assert row[:6] == [0.7, 10.0, 3.0, 4.0, 0.5, 0.25]
+    assert row[6:] == [0.2, 0.3, 0.4, 0.4, 0.5]
+    assert features_after_step(state, result, mask, threshold=0.95)[0] == 0.95
