@@ -16,14 +16,13 @@ Figures (all measured in this run):
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
+from bench.common import emit_json
 from services.worker.engine import CacheMode, DLMEngine, StepKind
 from shared.tasks import Family, Split, TaskGenerator, check_answer
 
@@ -165,11 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.problems, args.throughput_problems = 60, 16
     result = run(args)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(text + "\n")
+    emit_json(result, args.json)
     return 0
 
 

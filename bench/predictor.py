@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
 import os
 import statistics
@@ -37,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.common import emit_json
 from services.predictor.cli import HELDOUT_FILE, TRAIN_FILE
 from services.predictor.core.evaluation import aged_one_shot, errors, granularity_study
 from services.predictor.core.model import ModelError, StepModel
@@ -220,11 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         "meta": {"cpus": os.cpu_count(), "bench_wall_s": time.perf_counter() - started},
     }
     result["acceptance"] = acceptance(relative_error, ratio, study)
-    text = json.dumps(rounded(result), indent=2)
-    print(text)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(text + "\n")
+    emit_json(rounded(result), args.json)
     return 0
 
 

@@ -18,12 +18,12 @@ In the sweep, a plan that fell back (Stage 1 infeasible: all TP-1) reports the l
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
 from pathlib import Path
 
+from bench.common import emit_json
 from services.reconfigurator.core.example_profile import EXAMPLE_PROFILE_PATH, example_profile
 from services.reconfigurator.core.files import load_workload
 from services.reconfigurator.core.plan import CapacityPlan
@@ -160,11 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             "bench_wall_s": round(time.perf_counter() - started, 2),
         },
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(text + "\n")
+    emit_json(result, args.json)
     return 0
 
 

@@ -14,7 +14,6 @@ policy's decision, and applying it. Prints the JSON and writes it to ``--json``.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 import time
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.common import emit_json
 from services.scheduler.core import ClusterView, Request, SchedulingLoop, make_policy
 from services.scheduler.core.load import cache_step_weight, cluster_token_steps_per_s
 from services.scheduler.fake_engine import FakeEngine
@@ -160,11 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         "growth_p50": growth(rows),
         "target": {**TARGET, "p50_ms": target_row["p50"], "met": target_row["p50"] <= TARGET["p50_max_ms"]},
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(text + "\n")
+    emit_json(report, args.json)
     return 0
 
 

@@ -1,0 +1,161 @@
+"""The JetStream intake: the stream, publishing a request, and a pull consumer that acks explicitly.
+
+The stream has work-queue retention: a message is removed once a consumer acks it, and one not acked
+within ``ack_wait`` is redelivered (to the same durable consumer, whichever scheduler process is
+bound to it now). The scheduler acks only after the request is in Redis (``StateStore.create``; a
+``RequestExistsError`` on a redelivery means it already is, so ack then too). The gateway publishes
+with the request id as ``Nats-Msg-Id``, so a retried publish inside the duplicate window is stored once.
+
+A work-queue stream allows one consumer per subject, so scheduler replicas share one durable name.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import nats.errors
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    PubAck,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+    StreamInfo,
+)
+from nats.js.errors import NotFoundError
+
+from shared.messages.codec import DEFAULT_MAX_PAYLOAD_BYTES, CodecError, decode, encode
+from shared.messages.intake import CompletionRequest
+from shared.subjects import Subjects
+
+logger = logging.getLogger(__name__)
+
+MSG_ID_HEADER = "Nats-Msg-Id"  # JetStream's dedupe header
+
+
+class IntakeError(RuntimeError):
+    """The intake stream exists but cannot serve as the work queue (wrong retention or subjects)."""
+
+
+async def ensure_intake_stream(
+    js: JetStreamContext,
+    subjects: Subjects,
+    storage: StorageType = StorageType.FILE,
+    num_replicas: int = 1,
+    duplicate_window_s: float = 120.0,
+) -> StreamInfo:
+    """Create the intake stream if it is missing; check an existing one has work-queue retention."""
+    try:
+        info = await js.stream_info(subjects.intake_stream)
+    except NotFoundError:
+        return await js.add_stream(StreamConfig(
+            name=subjects.intake_stream,
+            subjects=[subjects.intake],
+            retention=RetentionPolicy.WORK_QUEUE,
+            storage=storage,
+            num_replicas=num_replicas,
+            duplicate_window=duplicate_window_s,
+        ))
+    if info.config.retention != RetentionPolicy.WORK_QUEUE:
+        raise IntakeError(
+            f"stream {subjects.intake_stream} exists with {info.config.retention} retention; the intake needs "
+            "work-queue retention (delete the stream or use another subject prefix)"
+        )
+    if subjects.intake not in (info.config.subjects or []):
+        raise IntakeError(f"stream {subjects.intake_stream} exists but does not take {subjects.intake!r}")
+    return info
+
+
+async def publish_request(
+    js: JetStreamContext,
+    subjects: Subjects,
+    request: CompletionRequest,
+    headers: dict[str, str] | None = None,
+    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+    timeout_s: float = 5.0,
+) -> PubAck:
+    """Publish ``request`` to the intake and wait for JetStream to store it.
+
+    ``headers``: e.g. the OpenTelemetry trace context. ``PubAck.duplicate`` is true when the stream
+    already had this request id (a retried publish).
+    """
+    data = encode(request, max_payload_bytes)
+    all_headers = {**(headers or {}), MSG_ID_HEADER: request.request_id}
+    return await js.publish(subjects.intake, data, timeout=timeout_s, stream=subjects.intake_stream,
+                            headers=all_headers)
+
+
+@dataclass
+class IntakeDelivery:
+    """One request taken from the intake; ``ack`` it once the request is durably in Redis."""
+
+    request: CompletionRequest  # the decoded request
+    num_delivered: int  # 1 on first delivery; more after redeliveries
+    headers: dict[str, str] = field(default_factory=dict)  # trace context and the dedupe id
+    msg: Msg | None = field(default=None, repr=False)  # the JetStream message behind it
+
+    async def ack(self, timeout_s: float = 1.0) -> None:
+        """Remove the message from the stream; waits for the server to confirm."""
+        await self.msg.ack_sync(timeout=timeout_s)
+
+    async def nak(self, delay_s: float | None = None) -> None:
+        """Ask for redelivery now (or after ``delay_s``): this process could not take the request."""
+        await self.msg.nak(delay=delay_s)
+
+    async def in_progress(self) -> None:
+        """Reset the ack timer (storing the request is taking a while)."""
+        await self.msg.in_progress()
+
+
+class IntakeConsumer:
+    """A durable pull consumer on the intake with explicit acks."""
+
+    def __init__(self, subscription: JetStreamContext.PullSubscription,
+                 max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> None:
+        self._subscription = subscription
+        self.max_payload_bytes = max_payload_bytes
+
+    @classmethod
+    async def create(
+        cls,
+        js: JetStreamContext,
+        subjects: Subjects,
+        durable: str = "scheduler",
+        ack_wait_s: float = 30.0,
+        max_deliver: int = -1,
+        max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+    ) -> IntakeConsumer:
+        """Bind to the durable consumer ``durable``, creating it if missing (then with these settings)."""
+        config = ConsumerConfig(durable_name=durable, ack_policy=AckPolicy.EXPLICIT, ack_wait=ack_wait_s,
+                                max_deliver=max_deliver)
+        subscription = await js.pull_subscribe(subjects.intake, durable=durable, stream=subjects.intake_stream,
+                                               config=config)
+        return cls(subscription, max_payload_bytes)
+
+    async def fetch(self, batch: int = 1, timeout_s: float = 1.0) -> list[IntakeDelivery]:
+        """Up to ``batch`` requests, waiting at most ``timeout_s``; empty when none came.
+
+        A message that does not decode is terminated (never redelivered) and logged, not returned.
+        """
+        try:
+            msgs = await self._subscription.fetch(batch, timeout=timeout_s)
+        except nats.errors.TimeoutError:
+            return []
+        deliveries = []
+        for msg in msgs:
+            try:
+                request = decode(CompletionRequest, msg.data, self.max_payload_bytes)
+            except CodecError as exc:
+                logger.error("dropping an intake message (stream seq %s): %s", msg.metadata.sequence.stream, exc)
+                await msg.term()
+                continue
+            deliveries.append(IntakeDelivery(request, msg.metadata.num_delivered, dict(msg.headers or {}), msg))
+        return deliveries
+
+    async def close(self) -> None:
+        """Stop fetching (the durable consumer and its unacked messages stay on the server)."""
+        await self._subscription.unsubscribe()

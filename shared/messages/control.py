@@ -1,0 +1,115 @@
+"""Cluster control: worker heartbeats (leases), workload stats, reconfiguration plans and their acks.
+
+Workers publish a ``WorkerHeartbeat`` every few seconds (subject ``heartbeat``); the scheduler treats
+an instance as gone when no heartbeat arrived within its ``ttl_s``. The scheduler publishes
+``WorkloadStats`` (subject ``stats``) for the reconfigurator's workload monitor. The reconfigurator
+publishes a ``ReconfigPlan`` (subject ``plans``), mirroring ``services.reconfigurator.core.plan``;
+each node agent answers with a ``PlanAck`` (subject ``plans.ack``).
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+from shared.messages.base import Message, Part
+
+
+class WorkerStatus(IntEnum):
+    """Where a worker is in its life, as it reports it."""
+
+    STARTING = 0  # loading the model; takes no steps yet
+    READY = 1  # takes step commands
+    DRAINING = 2  # finishing its resident requests; give it no new ones
+    STOPPING = 3  # about to exit; its lease ends now
+
+
+class WorkerHeartbeat(Message, kw_only=True):
+    """A worker's lease: it is alive and serving ``model`` until ``sent_at + ttl_s``."""
+
+    instance_id: str  # the instance (also the token of its step subject)
+    node: str  # the node it runs on
+    tp: int  # tensor-parallel degree
+    gpu_ids: list[int] = []  # GPUs it holds on the node (empty on CPU)
+    max_batch: int  # most requests one step may carry
+    model: str  # the model it serves
+    profile: str = ""  # latency profile the scheduler should use for it (name or path)
+    status: WorkerStatus = WorkerStatus.READY  # its state
+    num_resident: int = 0  # requests whose local copy (and KV cache) it holds
+    ttl_s: float  # the lease lasts this long after sent_at
+    sent_at: float  # unix time (s) of this heartbeat
+    started_at: float = 0.0  # unix time (s) the worker started (a change means it restarted)
+
+    @property
+    def expires_at(self) -> float:
+        return self.sent_at + self.ttl_s
+
+
+class Arrival(Part, kw_only=True):
+    """One request arrival; mirrors ``services.reconfigurator.core.monitor.ArrivalEvent``."""
+
+    time_s: float  # unix time (s) of arrival
+    prompt_tokens: int  # prompt length
+    output_tokens: int  # requested generation length
+    slo_s: float | None = None  # the request's latency SLO, when it has its own
+
+
+class WorkloadStats(Message, kw_only=True):
+    """The scheduler's report for one window: arrivals and how the cluster coped."""
+
+    window_start: float  # unix time (s), inclusive
+    window_end: float  # unix time (s), exclusive
+    arrivals: list[Arrival] = []  # every arrival in the window, in order
+    num_finished: int = 0  # requests that finished in the window
+    num_slo_met: int = 0  # of which within their SLO
+    num_rejected: int = 0  # requests rejected at admission
+    num_in_flight: int = 0  # requests admitted and not finished at window_end
+    mean_threshold: float | None = None  # mean threshold of the window's steps; None: no steps
+
+
+class InstanceSlot(Part, kw_only=True):
+    """A model instance of TP degree ``tp`` on GPUs of one node; mirrors the planner's ``Instance``."""
+
+    tp: int  # tensor-parallel degree
+    gpu_ids: list[int]  # the node's GPUs it occupies (len == tp)
+
+
+class NodePlan(Part, kw_only=True):
+    """What one node's agent does: keep these instances, stop these, then start these."""
+
+    node: str  # the node
+    keep: list[InstanceSlot] = []  # instances left running
+    stop: list[InstanceSlot] = []  # instances to stop first
+    start: list[InstanceSlot] = []  # instances to start once the stops are done
+
+
+class ReconfigPlan(Message, kw_only=True):
+    """One reconfiguration (Stage 1 capacity + Stage 2 placement), named by ``plan_id``."""
+
+    plan_id: str  # acknowledgements name it
+    created_at: float  # unix time (s) the plan was made
+    nodes: list[NodePlan]  # per-node keep/stop/start lists
+    instances_by_tp: dict[int, int]  # tp degree -> instances once applied
+    batch_by_tp: dict[int, int] = {}  # tp degree -> batch size Stage 1 planned
+    avg_threshold: float | None = None  # Stage 1's primary objective; None: fallback plan
+    fallback_reason: str | None = None  # set when Stage 1 was infeasible and this is all-TP-1
+
+
+class PlanAckStatus(IntEnum):
+    """How a node agent dealt with its part of a plan."""
+
+    APPLIED = 0  # every stop and start done
+    PARTIAL = 1  # some done; ``detail`` says which failed
+    FAILED = 2  # nothing changed
+    REJECTED = 3  # not applied (stale plan id, unknown node, another plan in progress)
+
+
+class PlanAck(Message, kw_only=True):
+    """A node agent's answer to a plan."""
+
+    plan_id: str  # the plan
+    node: str  # the node answering
+    status: PlanAckStatus  # outcome
+    started_instance_ids: list[str] = []  # instances it started
+    stopped_instance_ids: list[str] = []  # instances it stopped
+    detail: str = ""  # what failed, when something did
+    acked_at: float  # unix time (s) of the answer

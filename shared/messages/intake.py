@@ -1,0 +1,40 @@
+"""Gateway -> scheduler: new requests (JetStream intake stream) and cancellations (core NATS).
+
+The gateway subscribes to the request's events subject *before* it publishes the request, so no
+event can be missed. The scheduler acks the intake message only once the request is in Redis.
+"""
+
+from __future__ import annotations
+
+from shared.messages.base import CacheMode, Message
+
+
+class CompletionRequest(Message, kw_only=True):
+    """One generation request, validated and completed with defaults by the gateway."""
+
+    request_id: str  # unique id, also the JetStream dedupe id and the events subject token
+    prompt_token_ids: list[int] | None = None  # the tokenized prompt; None: tokenize prompt_text
+    prompt_text: str | None = None  # the prompt as text, when the gateway did not tokenize it
+    gen_length: int  # generation canvas length in tokens (the API's max_tokens)
+    block_length: int  # semi-autoregressive block length in tokens
+    cache_mode: CacheMode = CacheMode.DUAL  # approximate KV cache the engine uses
+    slo_ms: float  # latency SLO in milliseconds, counted from arrival_time
+    min_threshold: float = 0.0  # quality floor: no step runs below this confidence threshold
+    max_threshold: float = 1.0  # ceiling on the threshold (a client that prefers speed)
+    priority: int = 0  # larger is more important (load control protects high priorities)
+    seed: int | None = None  # sampling seed, for reproducible outputs; None: the engine's default
+    arrival_time: float  # unix time (s) the gateway accepted the request; the deadline is arrival + SLO
+    stream: bool = False  # publish a progress event per step (SSE clients); False: only the final event
+    model: str | None = None  # the model asked for; None: the served model
+
+    @property
+    def deadline(self) -> float:
+        """Unix time (s) by which the request should finish."""
+        return self.arrival_time + self.slo_ms / 1000.0
+
+
+class CancelRequest(Message, kw_only=True):
+    """Stop a request (the client went away or asked to); the scheduler owns the transition."""
+
+    request_id: str  # the request to cancel
+    reason: str = ""  # human-readable cause, for logs and the timeline

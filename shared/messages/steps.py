@@ -1,0 +1,72 @@
+"""Scheduler <-> worker: one batched step command per instance, one results message back.
+
+A command names requests and thresholds only; the request state lives in Redis. A worker that holds
+a request's state at ``state_version`` runs from its local copy (and KV cache); otherwise, or when
+``load_state`` is set, it loads the state from Redis first. After the step the worker writes the new
+state with a versioned write and reports the new version in its result.
+"""
+
+from __future__ import annotations
+
+from shared.messages.base import ConfidenceStats, Message, Part, StepKind
+
+
+class StepItem(Part, kw_only=True):
+    """One request's part of a batched step."""
+
+    request_id: str  # the request to advance by one step
+    threshold: float  # confidence threshold for this step (Algorithm 1's choice)
+    state_version: int  # version of the request's Redis state that this step starts from
+    load_state: bool = False  # True: load the state from Redis (migration, or this worker lacks it)
+
+
+class StepCommand(Message, kw_only=True):
+    """Run one denoising step for a batch of requests on one instance (subject ``step.<instance>``)."""
+
+    instance_id: str  # the instance that runs the step
+    step_id: int  # scheduler-wide sequence number of this command; the results echo it
+    items: list[StepItem]  # the batch; one forward serves them all
+    drop_request_ids: list[str] = []  # requests that left this instance: free their local copy and KV cache
+    issued_at: float  # unix time (s) the scheduler published the command
+
+
+class StepFailure(Part, kw_only=True):
+    """A request the worker could not step (its state is unchanged)."""
+
+    request_id: str  # the request that failed
+    reason: str  # why (stale or missing state, engine error, ...)
+
+
+class RequestStepResult(Part, kw_only=True):
+    """One request's outcome of a step: ``services.worker.engine.StepResult`` plus what only the worker
+    can tell without the canvas (``block_done``) and the state version it wrote."""
+
+    request_id: str  # the request this result is for
+    kind: StepKind  # recompute (full forward) or cache step
+    block_index: int  # the block this step decoded
+    committed_positions: list[int]  # canvas indices committed by this step
+    committed_token_ids: list[int]  # the tokens committed there, in the same order
+    block_done: bool  # the decoded block has no masked position left (the scheduler's StepOutcome needs it)
+    finished: bool  # no masked position left (or the block holding EOS is done)
+    num_steps: int  # steps done so far, this one included
+    num_masked: int  # masked canvas positions left
+    confidence: ConfidenceStats  # confidences of the current block's still-masked positions
+    threshold: float  # the threshold the step ran at
+    state_version: int  # version of the request's Redis state after the worker's write
+
+
+class StepResults(Message, kw_only=True):
+    """One instance finished one batched step (subject ``results``)."""
+
+    instance_id: str  # the instance that ran the step
+    step_id: int  # the command's step_id
+    results: list[RequestStepResult] = []  # one per request that stepped
+    failures: list[StepFailure] = []  # requests of the command that did not step
+    started_at: float  # unix time (s) the forward started
+    duration_s: float  # forward time, load and save of state included
+    num_loaded: int = 0  # requests whose state was loaded from Redis before the step
+
+    @property
+    def batch_size(self) -> int:
+        """Requests the step served."""
+        return len(self.results)

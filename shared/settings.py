@@ -1,0 +1,156 @@
+"""Typed settings per service, read from environment variables prefixed ``DLS_``.
+
+Every service reads the common connection settings (``DLS_NATS_URL``, ``DLS_REDIS_URL``,
+``DLS_SUBJECT_PREFIX``, ...) and its own, named ``DLS_<SERVICE>_<FIELD>`` (``DLS_GATEWAY_PORT``,
+``DLS_WORKER_MAX_BATCH``, ...). A service builds its settings object once in ``__main__`` and passes
+it into constructors; nothing here is instantiated at import time. Keyword arguments override the
+environment: ``GatewaySettings(port=9000)``. ``env_vars(cls)`` lists a class's variables, and
+``shared/README.md`` documents them all (a unit test keeps the two in step).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from shared.messages.codec import DEFAULT_MAX_PAYLOAD_BYTES
+from shared.state import DEFAULT_COMPLETED_TTL_S
+from shared.subjects import DEFAULT_PREFIX, Subjects, check_id
+
+ENV_PREFIX = "DLS_"
+
+
+def _own(service: str, name: str, default: Any, description: str, **kwargs: Any) -> Any:
+    """A service-specific field, read from ``DLS_<SERVICE>_<NAME>``."""
+    return Field(default, validation_alias=f"{ENV_PREFIX}{service}_{name}".upper(), description=description,
+                 **kwargs)
+
+
+class ServiceSettings(BaseSettings):
+    """What every service needs: where NATS and Redis are, and the names it shares with the others."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, populate_by_name=True, extra="ignore")
+
+    nats_url: str = Field("nats://127.0.0.1:4222", description="NATS server URL(s), comma-separated")
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis URL of the request-state store")
+    subject_prefix: str = Field(DEFAULT_PREFIX, description="prefix of every NATS subject and of the intake stream")
+    redis_key_prefix: str = Field(DEFAULT_PREFIX, description="prefix of every Redis key")
+    max_payload_bytes: int = Field(DEFAULT_MAX_PAYLOAD_BYTES, gt=0,
+                                   description="largest encoded message a service publishes or accepts")
+    log_level: str = Field("INFO", description="logging level name")
+    otel_endpoint: str | None = Field(None, description="OTLP endpoint for traces; unset: no export")
+
+    @field_validator("subject_prefix")
+    @classmethod
+    def _valid_prefix(cls, prefix: str) -> str:
+        return Subjects(prefix).prefix  # SubjectError (a ValueError) names what is wrong
+
+
+class GatewaySettings(ServiceSettings):
+    """The HTTP edge."""
+
+    host: str = _own("gateway", "host", "127.0.0.1", "address the HTTP server binds")
+    port: int = _own("gateway", "port", 8000, "HTTP port")
+    api_keys: list[str] = _own("gateway", "api_keys", [], "accepted bearer tokens (JSON list); empty: no auth")
+    default_slo_ms: float = _own("gateway", "default_slo_ms", 30_000.0, "SLO of requests that set none", gt=0)
+    default_gen_length: int | None = _own("gateway", "default_gen_length", None,
+                                          "max_tokens of requests that set none; unset: the model's")
+    default_block_length: int | None = _own("gateway", "default_block_length", None,
+                                            "block length of requests that set none; unset: the model's")
+    max_gen_length: int = _own("gateway", "max_gen_length", 4096, "largest max_tokens accepted", gt=0)
+    request_timeout_s: float = _own("gateway", "request_timeout_s", 300.0,
+                                    "give up waiting for a request's final event after this long", gt=0)
+
+
+class SchedulerSettings(ServiceSettings):
+    """The step loop."""
+
+    policy: str = _own("scheduler", "policy", "dilaserve", "scheduling policy, by registry name")
+    policy_config: str | None = _own("scheduler", "policy_config", None, "JSON file with the policy's config")
+    thresholds: list[float] = _own("scheduler", "thresholds", [0.5, 0.6, 0.7, 0.8, 0.9],
+                                   "candidate confidence thresholds (JSON list)")
+    profile: str = _own("scheduler", "profile", "profiles/llada-8b-h100.json", "step-latency profile file")
+    consumer_name: str = _own("scheduler", "consumer_name", "scheduler", "durable JetStream consumer on the intake")
+    intake_batch: int = _own("scheduler", "intake_batch", 64, "most intake messages fetched at once", gt=0)
+    ack_wait_s: float = _own("scheduler", "ack_wait_s", 30.0,
+                             "an intake message not acked within this long is redelivered", gt=0)
+    predictor_timeout_s: float = _own("scheduler", "predictor_timeout_s", 0.5,
+                                      "wait this long for a prediction before keeping the last one", gt=0)
+    stats_interval_s: float = _own("scheduler", "stats_interval_s", 10.0, "period of workload stats", gt=0)
+    completed_ttl_s: float = _own("scheduler", "completed_ttl_s", DEFAULT_COMPLETED_TTL_S,
+                                  "finished requests stay in Redis this long", gt=0)
+
+
+class WorkerSettings(ServiceSettings):
+    """One model instance."""
+
+    instance_id: str | None = _own("worker", "instance_id", None, "instance id; unset: <node>-<gpus>-<pid>")
+    node: str = _own("worker", "node", "local", "node name (the node agent sets it)")
+    gpu_ids: list[int] = _own("worker", "gpu_ids", [], "GPUs of the node this instance holds (JSON list)")
+    tp: int = _own("worker", "tp", 1, "tensor-parallel degree", gt=0)
+    model_dir: str = _own("worker", "model_dir", "models/dls-tiny", "model directory (bundled, LLaDA or Dream)")
+    device: str = _own("worker", "device", "cpu", "torch device")
+    max_batch: int = _own("worker", "max_batch", 16, "most requests one step carries", gt=0)
+    heartbeat_interval_s: float = _own("worker", "heartbeat_interval_s", 2.0, "period of heartbeats", gt=0)
+    lease_ttl_s: float = _own("worker", "lease_ttl_s", 6.0, "the scheduler drops the instance after this silence",
+                              gt=0)
+    pace_profile: str | None = _own("worker", "pace_profile", None,
+                                    "latency profile to pace steps to (emulate a GPU); unset: run at own speed")
+
+    @field_validator("instance_id")
+    @classmethod
+    def _valid_instance_id(cls, instance_id: str | None) -> str | None:
+        return None if instance_id is None else check_id(instance_id, "instance id")  # it is a subject token
+
+
+class PredictorSettings(ServiceSettings):
+    """The remaining-step predictor."""
+
+    model_dir: str = _own("predictor", "model_dir", "models/dls-tiny/predictor", "trained predictor directory")
+    mode: Literal["online", "one-shot"] = _own("predictor", "mode", "online",
+                                               "online (progress features) or one-shot (arrival estimate)")
+    queue_group: str = _own("predictor", "queue_group", "predictor", "NATS queue group of predictor replicas")
+
+
+class ReconfiguratorSettings(ServiceSettings):
+    """The periodic cluster planner."""
+
+    enabled: bool = _own("reconfigurator", "enabled", True, "publish plans; false: observe only")
+    interval_s: float = _own("reconfigurator", "interval_s", 300.0, "period between plans", gt=0)
+    cluster: str | None = _own("reconfigurator", "cluster", None, "cluster spec JSON (nodes, GPUs)")
+    profile: str = _own("reconfigurator", "profile", "profiles/llada-8b-h100.json", "step-latency profile file")
+    improvement_margin: float = _own("reconfigurator", "improvement_margin", 0.1,
+                                     "apply a plan only when Stage 1 improves by this fraction", ge=0)
+    solver_time_limit_s: float = _own("reconfigurator", "solver_time_limit_s", 30.0, "HiGHS time limit", gt=0)
+
+
+class NodeAgentSettings(ServiceSettings):
+    """Starts and stops worker processes on one node."""
+
+    node: str = _own("node_agent", "node", "local", "this node's name (plans address it)")
+    gpu_ids: list[int] = _own("node_agent", "gpu_ids", [0], "GPUs this agent manages (JSON list)")
+    worker_command: str = _own("node_agent", "worker_command", "python -m services.worker",
+                               "command that starts a worker (settings passed as DLS_WORKER_* variables)")
+    start_timeout_s: float = _own("node_agent", "start_timeout_s", 120.0,
+                                  "a worker that sends no heartbeat within this long failed to start", gt=0)
+
+
+SERVICE_SETTINGS: dict[str, type[ServiceSettings]] = {  # service name -> its settings class
+    "gateway": GatewaySettings,
+    "scheduler": SchedulerSettings,
+    "worker": WorkerSettings,
+    "predictor": PredictorSettings,
+    "reconfigurator": ReconfiguratorSettings,
+    "node-agent": NodeAgentSettings,
+}
+
+
+def env_vars(settings_cls: type[BaseSettings]) -> dict[str, str]:
+    """Environment variable -> description, for every field of ``settings_cls``."""
+    out = {}
+    for name, info in settings_cls.model_fields.items():
+        alias = info.validation_alias if isinstance(info.validation_alias, str) else None
+        out[alias or f"{ENV_PREFIX}{name}".upper()] = info.description or ""
+    return out
