@@ -49,4 +49,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run through the importable module, so that CliError raised by subcommands is this same class.
+    from shared.cli import main as _main
+
+    sys.exit(_main())

@@ -50,6 +50,9 @@ class TrainConfig:
     eval_problems: int = 64
     save_every: int = 250
     threads: int = 0  # 0: torch's default
+    # start from these weights (a model directory) with a fresh optimizer and schedule, when there is
+    # no checkpoint to resume: how a later session continues from the shipped model alone
+    init_from: str = ""
 
 
 def encode_batch(problems: list[Problem], tokenizer: CharTokenizer, gen_length: int):
@@ -111,7 +114,7 @@ class Trainer:
             torch.set_num_threads(cfg.threads)
         torch.manual_seed(cfg.seed)
         self.tokenizer = CharTokenizer()
-        self.model = DLMForMaskedDiffusion(self._model_config())
+        self.model = self._initial_model()
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.98)
         )
@@ -121,6 +124,11 @@ class Trainer:
         self.rng = random.Random(cfg.seed)
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self.tasks = self._task_generator(cfg.seed)
+
+    def _initial_model(self) -> DLMForMaskedDiffusion:
+        if self.cfg.init_from and not self.checkpoint_path.exists():
+            return DLMForMaskedDiffusion.from_pretrained(self.cfg.init_from)
+        return DLMForMaskedDiffusion(self._model_config())
 
     def _task_generator(self, seed: int) -> TaskGenerator:
         share = self.cfg.add_share
@@ -169,7 +177,7 @@ class Trainer:
         info = {
             "train_config": asdict(self.cfg), "steps_done": self.step, "wall_time_s": round(self.elapsed_s, 1),
             "parameters": sum(p.numel() for p in self.model.parameters()), "eval_history": self.history,
-            "device": "cpu", "torch_threads": torch.get_num_threads(),
+            "device": "cpu", "torch_threads": torch.get_num_threads(), "init_from": self.cfg.init_from or None,
         }
         Path(out, "training_info.json").write_text(json.dumps(info, indent=2))
 
