@@ -3,8 +3,8 @@ import json
 import torch
 
 from services.worker.loading import load_model
-from services.worker.training import TrainConfig, Trainer, diffusion_loss, encode_batch
 from services.worker.tokenizer import CharTokenizer
+from services.worker.training import TrainConfig, Trainer, diffusion_loss, encode_batch
 from shared.tasks import Split, TaskGenerator
 
 
