@@ -24,11 +24,18 @@ def _register_train(subparsers) -> None:
 
     p = subparsers.add_parser("train-model", help="train the bundled model on CPU (resumable)")
     defaults = TrainConfig()
+    parsers = {"int": int, "float": float, "str": str, "list[float]": _float_list}  # field type -> parser
     for f in dataclasses.fields(TrainConfig):
-        if f.type in ("int", "float", "str"):
-            kind = {"int": int, "float": float, "str": str}[f.type]
-            p.add_argument(f"--{f.name.replace('_', '-')}", type=kind, default=getattr(defaults, f.name))
+        if f.type in parsers:
+            p.add_argument(f"--{f.name.replace('_', '-')}", type=parsers[f.type], default=getattr(defaults, f.name))
     p.set_defaults(func=_train)
+
+
+def _float_list(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers separated by commas, got {text!r}") from None
 
 
 def _train(args: argparse.Namespace) -> int:

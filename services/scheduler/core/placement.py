@@ -80,12 +80,17 @@ class Placer:
     def place_resident(self, scratch: PlacementScratch, request: Request, row: int, alive: bool) -> Placement | None:
         """A request between steps on instance ``row``: stay, or move if that is clearly better.
 
-        A request whose instance is draining must move; None if nothing can take it yet.
+        A request whose instance is draining moves; if nothing else can take it, it keeps running on
+        the draining instance (rather than stall: a drain that waits for its own requests to leave,
+        while every other instance is draining too, would never end); None only if its instance is
+        gone.
         """
         kind = step_kind(request)
         if not alive:
             found = self._best(scratch, kind, request.context_tokens, row)
-            return None if found is None else Placement(found[0], found[1], True)
+            if found is None:
+                return Placement(row, float(scratch.lat_now[kind, row]), False) if row >= 0 else None
+            return Placement(found[0], found[1], True)
         stay = Placement(row, float(scratch.lat_now[kind, row]), False)
         if not self.may_migrate(request):
             return stay

@@ -120,6 +120,20 @@ def test_draining_instance_sends_its_requests_elsewhere(profile):
     assert move.instance_id != source
 
 
+def test_draining_everywhere_keeps_requests_running_in_place(profile):
+    # every instance drains at once (a reconfiguration replacing them all): nowhere to move to, so
+    # the request keeps stepping where it is instead of stalling the drain forever
+    loop = loop_for(profile, [1, 1])
+    loop.on_arrival(0.0, make_request("r"))
+    source = loop.view.requests["r"].instance_id
+    for instance_id in list(loop.view.instances):
+        loop.view.drain_instance(instance_id)
+    decisions = loop.on_step_result(0.1, step_result(source, outcome("r", 1, recompute=True)))
+    (stay,) = decisions.assignments
+    assert stay.instance_id == source and not stay.is_migration
+    assert loop.view.requests["r"].status == RequestStatus.RUNNING
+
+
 def test_threshold_uses_the_new_instance_after_a_move(profile):
     loop = _one_request_then_faster_instance(profile, cache_mode=CacheMode.NONE)
     (move,) = loop.on_step_result(0.1, step_result("i0", outcome("r", 2))).migrations

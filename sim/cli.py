@@ -1,0 +1,175 @@
+"""``dls sim``, ``dls compare`` and ``dls capacity``: the simulator's commands."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+from pathlib import Path
+
+from shared.cli import CliError
+
+
+def register(subparsers) -> None:
+    sim = subparsers.add_parser("sim", help="simulate one policy over a preset's sweep")
+    _common(sim)
+    sim.add_argument("--policy", default="dilaserve", help="policy name or variant label")
+    sim.set_defaults(func=cmd_sim)
+
+    compare = subparsers.add_parser("compare", help="policies side by side on the same arrivals")
+    _common(compare)
+    compare.add_argument("--policies", default=None, help="comma-separated (default: the preset's)")
+    compare.add_argument("--plot", default=None, help="write a PNG figure here (needs matplotlib)")
+    compare.add_argument("--no-fidelity", action="store_true", help="skip the model-in-the-loop check")
+    compare.set_defaults(func=cmd_compare)
+
+    capacity = subparsers.add_parser("capacity", help="highest request rate meeting an SLO-attainment target")
+    _common(capacity)
+    capacity.add_argument("--policy", default="dilaserve")
+    capacity.add_argument("--target", type=float, default=0.9, help="SLO attainment, 0 to 1")
+    capacity.set_defaults(func=cmd_capacity)
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", required=True, help="see sim/README.md; e.g. paper-bench")
+    parser.add_argument("--quick", action="store_true", help="the preset's small size")
+    parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--engine", choices=("replay", "model"), default=None)
+    parser.add_argument("--model", default="models/dls-tiny", help="bundled model directory")
+    parser.add_argument("--profile", default="profiles/llada-8b-h100.json")
+    parser.add_argument("--trace", default=None, help="BurstGPT CSV (arrival 'burstgpt')")
+    parser.add_argument("--time-scale", type=float, default=None, help="BurstGPT timestamps / this")
+    parser.add_argument("--prediction", default="auto",
+                        help="auto (the trained step predictor if present, else fallback), predictor, fallback")
+
+
+def _setup(args):
+    import torch
+
+    from sim import experiments
+    from sim.predictors import PREDICTION_SOURCES
+    from sim.presets import PRESETS
+
+    torch.set_num_threads(1)
+    try:
+        preset = PRESETS.get(args.preset)
+    except KeyError as exc:
+        raise CliError(f"--preset: {exc.args[0]}") from None
+    if args.quick:
+        preset = preset.quick()
+    if args.trace is not None:
+        if not Path(args.trace).exists():
+            raise CliError(f"--trace: file not found: {args.trace}")
+        changes = {"arrival": "burstgpt", "trace_path": args.trace, "duration_s": None}
+        if args.time_scale is not None:
+            if args.time_scale <= 0:
+                raise CliError("--time-scale: must be positive")
+            changes["time_scale"] = args.time_scale
+        preset = dataclasses.replace(preset, workload=dataclasses.replace(preset.workload, **changes))
+    if args.prediction not in PREDICTION_SOURCES:
+        raise CliError(f"--prediction: unknown source {args.prediction!r}; known: {', '.join(PREDICTION_SOURCES)}")
+    if not Path(args.profile).exists():
+        raise CliError(f"--profile: file not found: {args.profile}")
+    if not Path(args.model).is_dir():
+        raise CliError(f"--model: not a directory: {args.model}")
+    return experiments.setup(preset, args.model, args.profile, prediction=args.prediction)
+
+
+def _check_policies(labels: list[str]) -> None:
+    from services.scheduler.core.policies import POLICIES
+    from sim.presets import VARIANTS
+
+    for label in labels:
+        if label not in POLICIES and label not in VARIANTS:
+            known = ", ".join([*POLICIES, *VARIANTS])
+            raise CliError(f"--policies: unknown policy {label!r}; known: {known}")
+
+
+def _progress(label: str, point: dict) -> None:
+    print(
+        f"  {label:<24} {point['label']:>8}  rps {point['rps']:8.2f}  SLO {100 * point['slo_attainment']:6.1f}%  "
+        f"acc {100 * point['accuracy']:5.1f}%  mean {point['mean_latency_s']:.3f}s  p99 {point['p99_latency_s']:.3f}s  "
+        f"tau {point['mean_threshold']:.3f}  ({point['wall_s']:.1f}s)",
+        file=sys.stderr,
+    )
+
+
+def _write(path: str | None, data: dict) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(_clean(data), indent=1))
+
+
+def _clean(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_clean(v) for v in value]
+    return value
+
+
+def cmd_sim(args) -> int:
+    from sim import experiments
+
+    _check_policies([args.policy])
+    s = _setup(args)
+    result = experiments.compare(s, [args.policy], args.engine, args.seed, _progress)
+    result.pop("fidelity", None)
+    _write(args.json, result)
+    print_table(result)
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from sim import experiments
+
+    s = _setup(args)
+    labels = args.policies.split(",") if args.policies else list(s.preset.policies)
+    _check_policies(labels)
+    if args.no_fidelity:
+        s.preset = dataclasses.replace(s.preset, fidelity_policies=())
+    result = experiments.compare(s, labels, args.engine, args.seed, _progress)
+    _write(args.json, result)
+    print_table(result)
+    if args.plot:
+        try:
+            from sim.plots import plot_compare
+
+            plot_compare(result, args.plot)
+        except ImportError:
+            raise CliError("--plot: matplotlib is not installed (pip install matplotlib)") from None
+    return 0
+
+
+def cmd_capacity(args) -> int:
+    from sim import experiments
+
+    _check_policies([args.policy])
+    if not 0 < args.target <= 1:
+        raise CliError("--target: must be in (0, 1]")
+    s = _setup(args)
+    result = experiments.capacity(s, args.policy, args.target, args.seed)
+    _write(args.json, result)
+    print(f"{args.policy}: {result['max_rps']:.2f} req/s at >= {100 * args.target:.0f}% SLO attainment "
+          f"({result['max_rate_mult']:.3f}x the nominal {result['nominal_capacity_rps']:.2f} req/s)")
+    return 0
+
+
+def print_table(result: dict) -> None:
+    print(f"preset {result['preset']}: SLO {result['setup']['slo_s']:.3f}s, "
+          f"nominal capacity {result['setup']['nominal_capacity_rps']:.1f} req/s")
+    print(f"{'policy':<24} {'point':>8} {'rps':>9} {'SLO %':>7} {'acc %':>7} {'mean s':>8} {'p99 s':>8} {'tau':>6}")
+    for label, entry in result["policies"].items():
+        for p in entry["points"]:
+            print(f"{label:<24} {p['label']:>8} {p['rps']:9.2f} {100 * p['slo_attainment']:7.1f} "
+                  f"{100 * p['accuracy']:7.1f} {p['mean_latency_s']:8.3f} {p['p99_latency_s']:8.3f} "
+                  f"{p['mean_threshold']:6.3f}")
+    fid = result.get("fidelity")
+    if fid:
+        print(f"fidelity (replay vs model): SLO gap {fid['slo_attainment_gap_pp']:.2f} pp, "
+              f"mean latency gap {fid['mean_latency_gap_pct']:.2f}% (targets 3 pp / 5%)")

@@ -1,0 +1,475 @@
+"""Step engines behind one interface: the real engine in the loop, or replay of recorded traces.
+
+Both decide *what* a step does (tokens committed, block ends, completions, answer correctness); the
+time a step takes is the ``StepTimer``'s business (``sim/timing.py``). Each instance keeps its own
+KV caches: a request that runs on an instance without its cache (after a migration at a cache step)
+gets a recompute step, as in the real worker.
+
+- ``model``: one ``DLMEngine`` per instance, all sharing the bundled model's weights; each batched
+  step of the simulation is one real ``DLMEngine.step`` call.
+- ``replay``: per-step commit counts sampled from a ``ReplayTrace`` recorded with the real engine at
+  every candidate threshold (``calibrate``), keyed by task family, block, masked positions left in
+  the block and threshold; the number of blocks a request runs (where its answer ends) is sampled
+  from the family's recorded requests; correctness is a Bernoulli draw with the recorded accuracy at
+  the thresholds its tokens were committed at (token-weighted).
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from services.scheduler.core import CacheMode
+from shared.tasks import Family, Split, TaskGenerator, check_answer
+from sim.registry import Registry
+from sim.workload import RequestSpec
+
+DEFAULT_MODEL_DIR = "models/dls-tiny"
+DEFAULT_TRACE_DIR = "runs/sim/replay"
+CALIBRATION_THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineOutcome:
+    """One request's part of a batched step."""
+
+    request_id: str
+    num_committed: int
+    block_done: bool
+    finished: bool
+    recompute: bool  # the step was a full forward (block start, lost cache, or no cache)
+    threshold: float
+    num_masked: int = 0  # masked output positions left (predictor feature)
+    confidences: tuple[float, ...] = ()  # min, q25, median, mean, q75 of the still-masked block
+
+
+class SimEngine(Protocol):
+    """What the simulator needs from an engine.
+
+    A step is started (``start``: its kind per request is known then, which the step's duration
+    needs) and finished (``finish``: its outcomes). Between the two the engine may compute it at any
+    time: the model engine defers forwards and runs every step in flight across the cluster in one
+    batched call (they touch disjoint requests whose inputs were fixed at their start).
+    """
+
+    name: str
+
+    def prompt_len(self, spec: RequestSpec) -> int: ...
+
+    def admit(self, spec: RequestSpec, cache_mode: CacheMode) -> None: ...
+
+    def start(self, instance_id: str, batch: list[tuple[str, float]]) -> tuple[int, list[bool]]:
+        """(step token, recompute flag per request)."""
+        ...
+
+    def finish(self, token: int) -> list[EngineOutcome]: ...
+
+    def correct(self, request_id: str) -> bool: ...
+
+    def release(self, request_id: str) -> None: ...
+
+
+def _char_tokenizer(model_dir: str | Path):
+    from services.worker.tokenizer import CharTokenizer
+
+    return CharTokenizer.from_pretrained(Path(model_dir))
+
+
+# --- model in the loop -------------------------------------------------------------------------
+
+
+class ModelEngine:
+    """The real engine of the bundled model decides every step.
+
+    One ``DLMEngine`` holds every request's state and KV cache; which instance holds a request's
+    cache is tracked here, and a request stepped on another instance has its cache dropped first,
+    so its step is a recompute, as on a real worker. Forwards are deferred: at the first ``finish``
+    after some ``start``s, every step in flight runs in one batched ``DLMEngine.step`` call.
+    """
+
+    name = "model"
+
+    def __init__(self, model_dir: str | Path = DEFAULT_MODEL_DIR, rng: np.random.Generator | None = None) -> None:
+        import torch
+
+        from services.worker.engine import DLMEngine
+
+        torch.set_num_threads(1)
+        self._engine = DLMEngine.from_pretrained(model_dir)
+        self._states: dict = {}  # request id -> RequestState
+        self._specs: dict[str, RequestSpec] = {}  # request id -> spec
+        self._cache_on: dict[str, str] = {}  # request id -> instance holding its KV cache
+        self._pending: dict[int, list[tuple[str, float, int]]] = {}  # token -> (request id, threshold, block)
+        self._done: dict[int, list[EngineOutcome]] = {}  # token -> outcomes computed ahead
+        self._num_steps = 0
+        self.num_forward_calls = 0
+
+    def prompt_len(self, spec: RequestSpec) -> int:
+        return len(self._engine.encode(spec.problem.prompt))
+
+    def admit(self, spec: RequestSpec, cache_mode: CacheMode) -> None:
+        from services.worker.engine import CacheMode as EngineCacheMode
+
+        mode = {CacheMode.NONE: EngineCacheMode.NONE, CacheMode.PREFIX: EngineCacheMode.PREFIX}.get(
+            cache_mode, EngineCacheMode.DUAL
+        )
+        ids = self._engine.encode(spec.problem.prompt)
+        self._states[spec.request_id] = self._engine.new_request(spec.request_id, ids, spec.gen_len, spec.block_len, mode)
+        self._specs[spec.request_id] = spec
+
+    def start(self, instance_id: str, batch: list[tuple[str, float]]) -> tuple[int, list[bool]]:
+        engine = self._engine
+        flags, items = [], []
+        for rid, tau in batch:
+            if self._cache_on.get(rid, instance_id) != instance_id:
+                engine.drop(rid)  # its state moved; the cache stayed behind
+            self._cache_on[rid] = instance_id
+            state = self._states[rid]
+            flags.append(engine.next_step_kind(state) == 0)
+            items.append((rid, tau, engine.current_block(state)))
+        self._num_steps += 1
+        self._pending[self._num_steps] = items
+        return self._num_steps, flags
+
+    def finish(self, token: int) -> list[EngineOutcome]:
+        if token not in self._done:
+            self._run_pending()
+        return self._done.pop(token)
+
+    def _run_pending(self) -> None:
+        tokens = list(self._pending)
+        items = [item for t in tokens for item in self._pending[t]]
+        results = self._engine.step([(self._states[rid], tau) for rid, tau, _ in items])
+        self.num_forward_calls += 1
+        outcomes = iter(self._outcome(item, r) for item, r in zip(items, results, strict=True))
+        for t in tokens:
+            self._done[t] = [next(outcomes) for _ in self._pending.pop(t)]
+
+    def _outcome(self, item: tuple[str, float, int], result) -> EngineOutcome:
+        rid, tau, block = item
+        state = self._states[rid]
+        start, end = state.block_bounds(block)
+        block_done = self._engine.mask_id not in state.canvas[start:end]
+        c = result.confidence
+        return EngineOutcome(
+            rid, len(result.committed_positions), block_done, result.finished, result.kind == 0, tau,
+            result.num_masked, (c.min, c.q25, c.median, c.mean, c.q75),
+        )
+
+    def correct(self, request_id: str) -> bool:
+        state, spec = self._states[request_id], self._specs[request_id]
+        return check_answer(spec.problem, self._engine.tokenizer.decode(state.canvas))
+
+    def release(self, request_id: str) -> None:
+        self._cache_on.pop(request_id, None)
+        self._engine.drop(request_id)
+        self._states.pop(request_id, None)
+        self._specs.pop(request_id, None)
+
+
+# --- replay ------------------------------------------------------------------------------------
+
+
+@dataclass
+class ReplayTrace:
+    """Step outcomes of the real engine at fixed thresholds, summarised for sampling."""
+
+    model_key: str
+    gen_len: int
+    block_len: int
+    thresholds: tuple[float, ...]
+    # "family|block|masked|threshold" -> {committed tokens: count}
+    commit_counts: dict[str, dict[int, int]] = field(default_factory=dict)
+    # same key -> recorded steps [committed, confidence min, q25, median, mean, q75] (the predictor's
+    # features); sampled jointly when present, so predictions see realistic confidences
+    step_samples: dict[str, list[list[float]]] = field(default_factory=dict)
+    # family -> blocks run until finished, one entry per recorded request
+    blocks_run: dict[str, list[int]] = field(default_factory=dict)
+    # family -> threshold (as str) -> accuracy
+    accuracy: dict[str, dict[str, float]] = field(default_factory=dict)
+    # threshold (as str) -> mean steps, mean recompute steps per request (all families)
+    mean_steps: dict[str, float] = field(default_factory=dict)
+    mean_recompute_steps: dict[str, float] = field(default_factory=dict)
+    mean_context_tokens: float = 0.0
+    num_requests: int = 0
+
+    def tokens_per_step(self) -> dict[float, float]:
+        """threshold -> generation tokens per step as the scheduler's fallback counts them."""
+        return {float(t): self.gen_len / max(s, 1e-9) for t, s in self.mean_steps.items()}
+
+    def isolated_steps(self, threshold: float = 0.9) -> tuple[float, float]:
+        """(recompute, cache) steps of a request alone at ``threshold``."""
+        key = _tkey(threshold)
+        rec = self.mean_recompute_steps[key]
+        return rec, self.mean_steps[key] - rec
+
+    def to_json(self) -> dict:
+        data = dict(self.__dict__)
+        data["thresholds"] = list(self.thresholds)
+        data["commit_counts"] = {k: {str(n): c for n, c in v.items()} for k, v in self.commit_counts.items()}
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict) -> ReplayTrace:
+        data = dict(data)
+        data["thresholds"] = tuple(data["thresholds"])
+        data["commit_counts"] = {k: {int(n): c for n, c in v.items()} for k, v in data["commit_counts"].items()}
+        return cls(**data)
+
+
+def _tkey(threshold: float) -> str:
+    return f"{threshold:.2f}"
+
+
+def model_key(model_dir: str | Path) -> str:
+    """A digest of the model's weights and config: traces are reused only for the same model."""
+    digest = hashlib.sha1()
+    for name in ("config.json", "model.safetensors"):
+        path = Path(model_dir) / name
+        if path.exists():
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+def calibrate(
+    model_dir: str | Path = DEFAULT_MODEL_DIR,
+    num_problems: int = 192,
+    thresholds: tuple[float, ...] = CALIBRATION_THRESHOLDS,
+    seed: int = 12345,
+    trace_dir: str | Path | None = DEFAULT_TRACE_DIR,
+    num_shots: int | None = None,
+) -> ReplayTrace:
+    """Record (or load the cached) replay trace: every problem decoded at each threshold.
+
+    Problems: held-out split, both families, ``num_shots`` few-shot examples (None: 0-8 in turn),
+    a seed no workload uses.
+    """
+    key = model_key(model_dir)
+    shots = "mix" if num_shots is None else str(num_shots)
+    path = Path(trace_dir) / f"trace-v2-{key}-{num_problems}-{seed}-{shots}.json" if trace_dir else None
+    if path is not None and path.exists():
+        return ReplayTrace.from_json(json.loads(path.read_text()))
+    trace = _record(model_dir, key, num_problems, thresholds, seed, num_shots)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(trace.to_json()))
+    return trace
+
+
+def _record(
+    model_dir, key: str, num_problems: int, thresholds: tuple[float, ...], seed: int, num_shots: int | None
+) -> ReplayTrace:
+    import torch
+
+    from services.worker.engine import DLMEngine
+
+    torch.set_num_threads(1)
+    engine = DLMEngine.from_pretrained(model_dir)
+    tasks = TaskGenerator(seed=seed)
+    problems = [
+        tasks.problem(i % 9 if num_shots is None else num_shots, Split.HELD_OUT, (Family.ADD, Family.WORDS)[i % 2])
+        for i in range(num_problems)
+    ]
+    gen, block = engine.default_gen_length, engine.default_block_length
+    trace = ReplayTrace(key, gen, block, tuple(thresholds), num_requests=num_problems)
+    counts: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
+    samples: dict[str, list[list[float]]] = defaultdict(list)
+    contexts = []
+    for tau in thresholds:
+        states = [engine.new_request(f"c{i}", engine.encode(p.prompt), gen, block) for i, p in enumerate(problems)]
+        contexts = [len(s.prompt_ids) + gen for s in states]
+        recompute = [0] * len(states)
+        active = list(range(len(states)))
+        while active:
+            before = [_masked_in_block(engine, states[i]) for i in active]
+            results = engine.step([(states[i], tau) for i in active])
+            for i, (blk, masked), result in zip(active, before, results, strict=True):
+                key = f"{problems[i].family.value}|{blk}|{masked}|{_tkey(tau)}"
+                counts[key][len(result.committed_positions)] += 1
+                c = result.confidence
+                samples[key].append([len(result.committed_positions)] + [round(v, 4) for v in (c.min, c.q25, c.median, c.mean, c.q75)])
+                recompute[i] += int(result.kind == 0)
+            active = [i for i in active if not states[i].finished]
+        for i, (p, s) in enumerate(zip(problems, states, strict=True)):
+            trace.blocks_run.setdefault(p.family.value, []).append(_blocks_run(engine, s))
+            ok = check_answer(p, engine.tokenizer.decode(s.canvas))
+            trace.accuracy.setdefault(p.family.value, {}).setdefault(_tkey(tau), 0.0)
+            trace.accuracy[p.family.value][_tkey(tau)] += ok / (num_problems / 2)
+            del i
+        trace.mean_steps[_tkey(tau)] = statistics.fmean(s.num_steps for s in states)
+        trace.mean_recompute_steps[_tkey(tau)] = statistics.fmean(recompute)
+    trace.commit_counts = {k: dict(v) for k, v in counts.items()}
+    trace.step_samples = dict(samples)
+    trace.mean_context_tokens = statistics.fmean(contexts)
+    return trace
+
+
+def _masked_in_block(engine, state) -> tuple[int, int]:
+    block = engine.current_block(state)
+    start, end = state.block_bounds(block)
+    return block, sum(1 for t in state.canvas[start:end] if t == engine.mask_id)
+
+
+def _blocks_run(engine, state) -> int:
+    """Blocks decoded before the request finished: up to the block holding the first EOS."""
+    canvas = state.canvas
+    first_eos = canvas.index(engine.eos_id) if engine.eos_id in canvas else len(canvas) - 1
+    return first_eos // state.block_length + 1
+
+
+@dataclass
+class _ReplayState:
+    family: str
+    gen_len: int
+    block_len: int
+    blocks_to_run: int
+    block: int = 0
+    masked: int = 0
+    weighted_accuracy: float = 0.0  # sum over committed tokens of the accuracy at their threshold
+    num_committed: int = 0
+    finished: bool = False
+
+
+class ReplayEngine:
+    """Samples step outcomes from a ``ReplayTrace``; seeded, no model."""
+
+    name = "replay"
+
+    def __init__(self, trace: ReplayTrace, rng: np.random.Generator, model_dir: str | Path = DEFAULT_MODEL_DIR) -> None:
+        self.trace = trace
+        self.rng = rng
+        self._tokenizer = _char_tokenizer(model_dir)
+        self._states: dict[str, _ReplayState] = {}  # request id -> replay state
+        self._cache_on: dict[str, str] = {}  # request id -> instance holding its KV cache
+        self._cache_mode: dict[str, CacheMode] = {}  # request id -> its cache mode
+        self._thresholds = sorted(trace.thresholds)
+        self._samples = self._index(trace)
+        self._done: dict[int, list[EngineOutcome]] = {}  # step token -> outcomes
+        self._num_steps = 0
+
+    @staticmethod
+    def _index(trace: ReplayTrace) -> dict[tuple[str, int, int, str], tuple[np.ndarray, np.ndarray]]:
+        # (family, block, masked, threshold) -> (committed values, cumulative probabilities)
+        index = {}
+        for key, hist in trace.commit_counts.items():
+            family, block, masked, tau = key.split("|")
+            recorded = trace.step_samples.get(key)
+            if recorded:
+                rows = np.array(recorded, dtype=float)
+                index[(family, int(block), int(masked), tau)] = (rows, None)
+                continue
+            values = np.array(sorted(hist), dtype=float)[:, None]
+            weights = np.array([hist[int(v)] for v in values[:, 0]], dtype=float)
+            index[(family, int(block), int(masked), tau)] = (values, np.cumsum(weights) / weights.sum())
+        return index
+
+    def prompt_len(self, spec: RequestSpec) -> int:
+        return len(self._tokenizer.encode(spec.problem.prompt))
+
+    def admit(self, spec: RequestSpec, cache_mode: CacheMode) -> None:
+        family = spec.problem.family.value
+        runs = self.trace.blocks_run.get(family) or [1]
+        num_blocks = -(-spec.gen_len // spec.block_len)
+        blocks = min(int(runs[self.rng.integers(len(runs))]), num_blocks)
+        first = min(spec.block_len, spec.gen_len)
+        self._states[spec.request_id] = _ReplayState(family, spec.gen_len, spec.block_len, blocks, 0, first)
+        self._cache_mode[spec.request_id] = cache_mode
+
+    def start(self, instance_id: str, batch: list[tuple[str, float]]) -> tuple[int, list[bool]]:
+        outcomes = self.step(instance_id, batch)
+        self._num_steps += 1
+        self._done[self._num_steps] = outcomes
+        return self._num_steps, [o.recompute for o in outcomes]
+
+    def finish(self, token: int) -> list[EngineOutcome]:
+        return self._done.pop(token)
+
+    def step(self, instance_id: str, batch: list[tuple[str, float]]) -> list[EngineOutcome]:
+        """Start and finish at once."""
+        return [self._step_one(instance_id, rid, tau) for rid, tau in batch]
+
+    def _step_one(self, instance_id: str, rid: str, tau: float) -> EngineOutcome:
+        state = self._states[rid]
+        block_len_now = min(state.block_len, state.gen_len - state.block * state.block_len)
+        at_block_start = state.masked == block_len_now
+        recompute = (
+            self._cache_mode[rid] == CacheMode.NONE or at_block_start or self._cache_on.get(rid) != instance_id
+        )
+        self._cache_on[rid] = instance_id
+        row = self._sample(state, tau)
+        k = min(int(row[0]), state.masked)
+        state.masked -= k
+        state.num_committed += k
+        state.weighted_accuracy += k * self._accuracy(state.family, tau)
+        block_done = state.masked == 0
+        if block_done:
+            state.block += 1
+            state.finished = state.block >= state.blocks_to_run
+            if not state.finished:
+                state.masked = min(state.block_len, state.gen_len - state.block * state.block_len)
+        left = 0 if state.finished else state.masked + state.gen_len - (state.block + 1) * state.block_len
+        confidences = tuple(float(v) for v in row[1:6]) if len(row) >= 6 else ()
+        return EngineOutcome(rid, k, block_done, state.finished, recompute, tau, max(left, 0), confidences)
+
+    def _sample(self, state: _ReplayState, tau: float) -> np.ndarray:
+        """A recorded step: [committed, confidences...] (or just [committed] from counts)."""
+        for key in self._candidate_keys(state, tau):
+            found = self._samples.get(key)
+            if found is not None:
+                rows, cdf = found
+                i = self.rng.integers(len(rows)) if cdf is None else np.searchsorted(cdf, self.rng.random())
+                return rows[min(int(i), len(rows) - 1)]
+        rate = self.trace.tokens_per_step().get(self._nearest(tau), 1.0)
+        return np.array([max(1, int(round(rate)))], dtype=float)
+
+    def _candidate_keys(self, state: _ReplayState, tau: float):
+        """The exact cell first; then the same masked count in another block; then larger masked
+        counts (commits are clipped to what is left, so a fuller block's count is the closer
+        stand-in: a request that switched threshold mid-block reaches states a fixed-threshold run
+        rarely does); smaller counts last."""
+        t = _tkey(self._nearest(tau))
+        max_block = max(0, -(-self.trace.gen_len // self.trace.block_len) - 1)
+        block = min(state.block, max_block)
+        masked = min(state.masked, self.trace.block_len)
+        blocks = [block] + [b for b in range(max_block, -1, -1) if b != block]
+        larger = range(masked + 1, self.trace.block_len + 1)
+        smaller = range(masked - 1, 0, -1)
+        for m in (masked, *larger, *smaller):
+            for b in blocks:
+                yield state.family, b, m, t
+
+    def _nearest(self, tau: float) -> float:
+        ts = self._thresholds
+        i = bisect.bisect_left(ts, tau - 1e-9)
+        if i == len(ts):
+            return ts[-1]
+        if i > 0 and tau - ts[i - 1] < ts[i] - tau:
+            return ts[i - 1]
+        return ts[i]
+
+    def _accuracy(self, family: str, tau: float) -> float:
+        return self.trace.accuracy.get(family, {}).get(_tkey(self._nearest(tau)), 0.0)
+
+    def correct(self, request_id: str) -> bool:
+        state = self._states[request_id]
+        p = state.weighted_accuracy / max(state.num_committed, 1)
+        return bool(self.rng.random() < p)
+
+    def release(self, request_id: str) -> None:
+        self._states.pop(request_id, None)
+        self._cache_on.pop(request_id, None)
+        self._cache_mode.pop(request_id, None)
+
+
+# name -> factory(trace, rng, model_dir)
+ENGINES: Registry = Registry("engine")
+ENGINES.register("replay", lambda trace, rng, model_dir: ReplayEngine(trace, rng, model_dir))
+ENGINES.register("model", lambda trace, rng, model_dir: ModelEngine(model_dir, rng))

@@ -1,0 +1,258 @@
+"""Runs: one point (``run_point``), side-by-side sweeps (``compare``), capacity search (``capacity``)
+and the replay-vs-model fidelity check. Everything is seeded: the same preset, policy and seed give
+the same numbers; every policy sees the same arrivals, problems and engine seed at a point.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from services.reconfigurator.core.monitor import LengthBuckets, MonitorSettings
+from services.reconfigurator.core.planner import PlannerOptions
+from services.reconfigurator.core.reconfigurator import Reconfigurator
+from services.reconfigurator.core.solver import SolverOptions
+from services.reconfigurator.core.stage1 import Stage1Options
+from services.reconfigurator.core.stage2 import Stage2Options
+from services.scheduler.core import CacheMode, ClusterView, SchedulingLoop, make_config, make_policy
+from services.scheduler.core.policies import POLICIES
+from shared.profiles import LatencyProfile
+from shared.tasks import Split, TaskGenerator
+from sim.cluster import SimCluster, initial_placement
+from sim.engines import DEFAULT_MODEL_DIR, ENGINES, ReplayTrace, calibrate
+from sim.metrics import attainment_over_time, summarize
+from sim.predictors import PREDICTION_SOURCES
+from sim.presets import Preset, resolve_policy
+from sim.simulator import Simulator, VirtualClock
+from sim.timing import StepTimer, anchored
+from sim.workload import generate
+
+DEFAULT_PROFILE = "profiles/llada-8b-h100.json"
+SLO_BASE_THRESHOLD = 0.9
+
+
+@dataclass
+class Setup:
+    """What every run of a preset shares: the replay trace, the anchored profile, SLO and capacity."""
+
+    preset: Preset
+    trace: ReplayTrace
+    profile: LatencyProfile  # anchored and time-scaled
+    step_time_scale: float
+    timer: StepTimer
+    base_latency_s: float  # isolated TP-1 latency at 0.9
+    slo_s: float  # of the first SLO class
+    capacity_rps: float  # nominal: fixed 0.9 on the initial cluster, within the SLO
+    model_dir: str
+    prediction: str = "auto"
+
+    def predictor(self):
+        thresholds = make_config("dilaserve").thresholds
+        return PREDICTION_SOURCES.get(self.prediction)(model_dir=self.model_dir, thresholds=thresholds)
+
+    def describe(self) -> dict:
+        return {
+            "model_key": self.trace.model_key,
+            "profile_anchor_context_tokens": self.profile.context_tokens,
+            "isolated_latency_s": round(self.base_latency_s, 6),
+            "slo_s": round(self.slo_s, 6),
+            "nominal_capacity_rps": round(self.capacity_rps, 3),
+            "step_time_scale": round(self.step_time_scale, 4),
+            "cache_mode": self.preset.cache_mode.name.lower(),
+            "replay_tokens_per_step": {f"{t:.2f}": round(v, 3) for t, v in sorted(self.trace.tokens_per_step().items())},
+            "replay_accuracy": self.trace.accuracy,
+            "prediction_source": self.prediction,
+            "prediction_source_used": type(self.predictor()).__name__,
+        }
+
+
+def setup(
+    preset: Preset,
+    model_dir: str = DEFAULT_MODEL_DIR,
+    profile_path: str = DEFAULT_PROFILE,
+    trace: ReplayTrace | None = None,
+    prediction: str = "auto",
+) -> Setup:
+    # the preset's own few-shot count when all its prompts have one (closer replay), else a mix
+    shots = preset.workload.num_shots if preset.workload.lengths == "fixed" else None
+    trace = trace or calibrate(model_dir, num_shots=shots)
+    anchor = _mean_context(model_dir, preset.workload.num_shots, trace.gen_len)
+    rec, cache = trace.isolated_steps(SLO_BASE_THRESHOLD)
+    scale = preset.llada_steps_per_request / (rec + cache) if preset.llada_steps_per_request else 1.0
+    profile = anchored(LatencyProfile.load(profile_path), anchor, scale)
+    timer = StepTimer(profile)
+    if preset.cache_mode == CacheMode.NONE:
+        rec, cache = rec + cache, 0.0  # every step is a full forward
+    base = timer.isolated_latency(1, rec, cache)
+    slo = preset.workload.slo_classes[0].slo_factor * base
+    capacity = nominal_capacity(preset, timer, rec, cache, slo)
+    return Setup(preset, trace, profile, scale, timer, base, slo, capacity, model_dir, prediction)
+
+
+def _mean_context(model_dir: str, num_shots: int, gen_len: int) -> float:
+    from services.worker.tokenizer import CharTokenizer
+
+    tokenizer = CharTokenizer.from_pretrained(Path(model_dir))
+    tasks = TaskGenerator(seed=999)
+    prompts = [tasks.problem(num_shots, Split.HELD_OUT).prompt for _ in range(64)]
+    return statistics.fmean(len(tokenizer.encode(p)) for p in prompts) + gen_len
+
+
+def nominal_capacity(preset: Preset, timer: StepTimer, rec: float, cache: float, slo_s: float) -> float:
+    """Requests/s the initial cluster serves at 0.9 with every request within the SLO: per instance,
+    the batch with the best throughput among those whose per-request latency fits the SLO."""
+    total = 0.0
+    for tp in preset.cluster.initial_tp:
+        best = 0.0
+        max_batch = preset.cluster.max_batch or timer.profile.max_batch(tp)
+        for b in range(1, max_batch + 1):
+            latency = rec * timer.profile.alpha(tp, b) + cache * timer.profile.beta(tp, b)
+            if latency * timer.time_scale <= slo_s:
+                best = max(best, b / (latency * timer.time_scale))
+        total += best
+    return total
+
+
+def policy_config(setup_: Setup, label: str) -> tuple[str, dict]:
+    """Core policy name and config: the variant's overrides plus the calibrated step rates."""
+    name, overrides = resolve_policy(label)
+    fields = POLICIES[name].config_cls.model_fields
+    config = dict(overrides)
+    rates = setup_.trace.tokens_per_step()
+    if "fallback_tokens_per_step" in fields:
+        config.setdefault("fallback_tokens_per_step", rates)
+    if "thresholds" in fields:
+        config.setdefault("thresholds", setup_.preset.thresholds)
+    if "tokens_per_step" in fields:
+        threshold = config.get("threshold", fields["threshold"].default)
+        config.setdefault("tokens_per_step", rates[min(rates, key=lambda t: abs(t - threshold))])
+    make_config(name, config)  # validate early: errors name the field
+    return name, config
+
+
+def run_point(setup_: Setup, label: str, point_index: int, engine_name: str | None = None, seed: int | None = None) -> dict:
+    """One policy at one x-axis point; returns the summary (and timeline for reconfiguring presets)."""
+    preset = setup_.preset
+    seed = preset.seed if seed is None else seed
+    point = preset.points[point_index]
+    workload_config = dataclasses.replace(preset.workload, seed=seed, **point.workload)
+    rate = point.rate_mult * setup_.capacity_rps
+    workload = generate(workload_config, rate, setup_.base_latency_s)
+    name, config = policy_config(setup_, label)
+    view = ClusterView()
+    cluster = SimCluster(preset.cluster, setup_.profile, view)
+    for instance in initial_placement(preset.cluster):
+        cluster.start_now(instance)
+    loop = SchedulingLoop(make_policy(name, config, rng=seed), view)
+    engine_rng = np.random.default_rng([seed, point_index, 7])
+    engine = ENGINES.get(engine_name or preset.engine)(setup_.trace, engine_rng, setup_.model_dir)
+    clock = VirtualClock()
+    reconfigures = preset.cluster.reconfigure and label.startswith(preset.reconfigure_policies)
+    reconfigurator = _reconfigurator(setup_, clock) if reconfigures else None
+    sim = Simulator(
+        loop, cluster, engine, setup_.timer, workload.requests,
+        predictor=setup_.predictor(),
+        reconfigurator=reconfigurator, cache_mode=preset.cache_mode,
+        sample_period_s=preset.sample_period_s, clock=clock,
+    )
+    result = sim.run()
+    summary = summarize(result.records)
+    summary.update(
+        rps=round(rate, 4), rate_mult=point.rate_mult, label=point.label or f"{point.rate_mult}x",
+        duration_s=round(workload.duration_s, 3), wall_s=round(result.wall_s, 3), num_events=result.num_events,
+    )
+    summary["reconfiguration"] = reconfigures
+    if preset.cluster.reconfigure:
+        summary["timeline"] = result.timeline.to_json()
+        summary["reconfigurations"] = result.reconfigurations
+        summary["attainment_over_time"] = attainment_over_time(result.records, preset.sample_period_s * 6)
+    return summary
+
+
+def _reconfigurator(setup_: Setup, clock: VirtualClock) -> Reconfigurator:
+    spec = setup_.preset.cluster
+    settings = MonitorSettings(
+        window_s=spec.reconfig_window_s, min_window_s=min(10.0, spec.reconfig_window_s),
+        block_length=setup_.preset.workload.block_len, slo_s=setup_.slo_s,
+        kv_cache=setup_.preset.cache_mode != CacheMode.NONE,
+        buckets=LengthBuckets(prompt_edges=(64, 128), output_edges=(16,)),
+    )
+    solver = SolverOptions(time_limit_s=5.0, threads=1)
+    options = PlannerOptions(stage1=Stage1Options(solver=solver), stage2=Stage2Options())
+    return Reconfigurator(setup_.profile, clock, settings, options)
+
+
+def compare(setup_: Setup, labels: list[str], engine_name: str | None = None, seed: int | None = None,
+            progress=None) -> dict:
+    """Every policy at every point, on the same arrivals; plus the fidelity check where the preset asks."""
+    preset = setup_.preset
+    policies = {}
+    for label in labels:
+        points = []
+        for i in range(len(preset.points)):
+            points.append(run_point(setup_, label, i, engine_name, seed))
+            if progress:
+                progress(label, points[-1])
+        policies[label] = {"points": sorted(points, key=lambda p: p["rps"])}
+    out = {"preset": preset.name, "setup": setup_.describe(), "policies": policies}
+    fidelity_labels = [p for p in preset.fidelity_policies if p in labels]
+    if fidelity_labels and (engine_name or preset.engine) == "replay":
+        out["fidelity"] = fidelity(setup_, fidelity_labels, policies, seed, progress)
+    return out
+
+
+def fidelity(setup_: Setup, labels: list[str], replay: dict, seed: int | None, progress=None) -> dict:
+    """Model in the loop vs replay at every point: the largest gaps over the sweep."""
+    slo_gaps, lat_gaps, rows = [], [], []
+    for label in labels:
+        for i in range(len(setup_.preset.points)):
+            model = run_point(setup_, label, i, "model", seed)
+            if progress:
+                progress(f"{label} (model)", model)
+            rep = next(p for p in replay[label]["points"] if p["rate_mult"] == model["rate_mult"])
+            slo_gap = abs(rep["slo_attainment"] - model["slo_attainment"]) * 100
+            lat_gap = abs(rep["mean_latency_s"] - model["mean_latency_s"]) / model["mean_latency_s"] * 100
+            slo_gaps.append(slo_gap)
+            lat_gaps.append(lat_gap)
+            rows.append({
+                "policy": label, "rps": model["rps"],
+                "model": {k: model[k] for k in ("slo_attainment", "accuracy", "mean_latency_s", "mean_steps")},
+                "replay": {k: rep[k] for k in ("slo_attainment", "accuracy", "mean_latency_s", "mean_steps")},
+                "slo_attainment_gap_pp": round(slo_gap, 3), "mean_latency_gap_pct": round(lat_gap, 3),
+            })
+    return {
+        "engines": ["replay", "model"],
+        "slo_attainment_gap_pp": round(max(slo_gaps), 3),
+        "mean_latency_gap_pct": round(max(lat_gaps), 3),
+        "within_targets": max(slo_gaps) <= 3.0 and max(lat_gaps) <= 5.0,
+        "points": rows,
+    }
+
+
+def capacity(setup_: Setup, label: str, target: float = 0.9, seed: int | None = None,
+             max_iterations: int = 12, tolerance: float = 0.02) -> dict:
+    """The highest request rate whose SLO attainment is at least ``target`` (Vidur-style search):
+    double the rate until it fails, then bisect until the bracket is within ``tolerance`` (relative)."""
+    probes = []
+
+    def attainment(mult: float) -> float:
+        preset = dataclasses.replace(setup_.preset, points=(dataclasses.replace(setup_.preset.points[0], rate_mult=mult),))
+        summary = run_point(dataclasses.replace(setup_, preset=preset), label, 0, None, seed)
+        probes.append({"rps": summary["rps"], "slo_attainment": summary["slo_attainment"], "accuracy": summary["accuracy"]})
+        return summary["slo_attainment"]
+
+    lo, hi = 0.0, 0.5
+    while attainment(hi) >= target and len(probes) < max_iterations:
+        lo, hi = hi, hi * 2
+    while (hi - lo) > tolerance * hi and len(probes) < max_iterations:
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if attainment(mid) >= target else (lo, mid)
+    return {
+        "policy": label, "target": target, "max_rps": round(lo * setup_.capacity_rps, 3),
+        "max_rate_mult": round(lo, 4), "nominal_capacity_rps": round(setup_.capacity_rps, 3),
+        "probes": sorted(probes, key=lambda p: p["rps"]),
+    }

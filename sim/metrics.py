@@ -1,0 +1,91 @@
+"""Per-request records and the summaries a run reports."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    request_id: str
+    arrival_s: float
+    slo_s: float
+    slo_class: str
+    finish_s: float | None = None
+    rejected: bool = False
+    correct: bool = False
+    num_steps: int = 0
+    num_migrations: int = 0
+    threshold_sum: float = 0.0  # sum over steps of the step's threshold
+
+    @property
+    def latency_s(self) -> float | None:
+        return None if self.finish_s is None else self.finish_s - self.arrival_s
+
+    @property
+    def met_slo(self) -> bool:
+        return self.finish_s is not None and not self.rejected and self.finish_s - self.arrival_s <= self.slo_s + 1e-9
+
+
+@dataclass
+class Timeline:
+    """Samples over virtual time: configuration, thresholds, load."""
+
+    times: list[float] = field(default_factory=list)
+    instances_by_tp: list[dict[int, int]] = field(default_factory=list)  # tp degree -> instances
+    mean_threshold: list[float | None] = field(default_factory=list)  # over steps since the last sample
+    arrivals_rps: list[float] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {
+            "time_s": [round(t, 3) for t in self.times],
+            "instances_by_tp": [{str(k): v for k, v in sorted(d.items())} for d in self.instances_by_tp],
+            "mean_threshold": [None if t is None else round(t, 4) for t in self.mean_threshold],
+            "arrivals_rps": [round(r, 3) for r in self.arrivals_rps],
+        }
+
+
+def summarize(records: list[RequestRecord]) -> dict:
+    """SLO attainment (rejected and unfinished count as misses), accuracy over finished requests,
+    latency over finished requests."""
+    n = len(records)
+    classes = sorted({r.slo_class for r in records})
+    finished = [r for r in records if r.finish_s is not None and not r.rejected]
+    latencies = np.array([r.latency_s for r in finished]) if finished else np.zeros(0)
+    steps = sum(r.num_steps for r in records)
+    return {
+        "num_requests": n,
+        "num_finished": len(finished),
+        "num_rejected": sum(r.rejected for r in records),
+        "slo_attainment": sum(r.met_slo for r in records) / n if n else math.nan,
+        "accuracy": sum(r.correct for r in finished) / len(finished) if finished else math.nan,
+        "mean_latency_s": float(latencies.mean()) if len(latencies) else math.nan,
+        "p50_latency_s": float(np.percentile(latencies, 50)) if len(latencies) else math.nan,
+        "p99_latency_s": float(np.percentile(latencies, 99)) if len(latencies) else math.nan,
+        "mean_steps": steps / n if n else math.nan,
+        "mean_threshold": sum(r.threshold_sum for r in records) / steps if steps else math.nan,
+        "num_migrations": sum(r.num_migrations for r in records),
+        **({"slo_attainment_by_class": _by_class(records, classes)} if len(classes) > 1 else {}),
+    }
+
+
+def _by_class(records: list[RequestRecord], classes: list[str]) -> dict:
+    # SLO class -> its attainment
+    return {c: sum(r.met_slo for r in records if r.slo_class == c) / sum(r.slo_class == c for r in records) for c in classes}
+
+
+def attainment_over_time(records: list[RequestRecord], bin_s: float) -> dict:
+    """SLO attainment of the requests arriving in each bin."""
+    if not records:
+        return {"bin_s": bin_s, "slo_attainment": []}
+    num_bins = int(max(r.arrival_s for r in records) // bin_s) + 1
+    met, total = np.zeros(num_bins), np.zeros(num_bins)
+    for r in records:
+        i = int(r.arrival_s // bin_s)
+        total[i] += 1
+        met[i] += r.met_slo
+    values = [round(float(m / t), 4) if t else None for m, t in zip(met, total, strict=True)]
+    return {"bin_s": bin_s, "slo_attainment": values}

@@ -1,0 +1,90 @@
+"""Where remaining-step predictions come from, behind one interface.
+
+``fallback``: none; the scheduler core then estimates remaining steps from remaining tokens and its
+``fallback_tokens_per_step`` table, which the simulator calibrates from the replay trace (the same
+numbers the engine produced). ``predictor``: the step predictor of ``services/predictor`` (issue 4),
+loaded from the engine model's directory, through its in-process client. The one-shot ablation is
+the scheduler's ``dilaserve-oneshot`` policy (it keeps the first prediction and scales it).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from services.scheduler.core import CacheMode, Prediction, Request
+from services.scheduler.core.threshold import DEFAULT_THRESHOLDS
+from sim.engines import EngineOutcome
+from sim.registry import Registry
+
+
+class PredictionSource(Protocol):
+    latency_s: float  # virtual time from a step's end to its predictions' arrival (0: with the result)
+
+    def predict(self, items: list[tuple[Request, EngineOutcome]]) -> list[Prediction | None]:
+        """Fresh predictions for requests right after a step (``request``'s counters are pre-step)."""
+        ...
+
+
+class FallbackOnly:
+    """No predictions: the scheduler core's fallback estimate."""
+
+    latency_s = 0.0
+
+    def predict(self, items: list[tuple[Request, EngineOutcome]]) -> list[Prediction | None]:
+        return [None] * len(items)
+
+
+class StepPredictorSource:
+    """The issue-4 step predictor (``services.predictor.adapters.load_predictor``), in process, one
+    batched call per finished step. ``one_shot``: its arrival-only ablation model.
+
+    The replay engine records no confidences, so with it the queries carry progress only.
+    """
+
+    def __init__(self, model_dir: str, thresholds: tuple[float, ...], one_shot: bool = False, latency_s: float = 0.0):
+        from services.predictor.adapters import load_predictor
+
+        self._predictor = load_predictor(model_dir, one_shot=one_shot)
+        self.thresholds = tuple(thresholds)
+        self.latency_s = latency_s
+
+    def predict(self, items: list[tuple[Request, EngineOutcome]]) -> list[Prediction | None]:
+        from services.predictor.adapters import PredictionQuery
+
+        if not items:
+            return []
+        queries = [
+            PredictionQuery.from_counts(
+                r.request_id, r.num_steps_done + 1, r.gen_len, r.prompt_len, r.block_len,
+                min(r.num_tokens_committed + o.num_committed, r.gen_len), o.confidences or None,
+                r.cache_mode != CacheMode.NONE, o.threshold,
+            )
+            for r, o in items
+        ]
+        predictions = self._predictor.predict(queries, self.thresholds)
+        return [
+            Prediction({t: (float(rc), float(ca)) for t, (rc, ca) in p.threshold_to_steps.items()}, p.made_at_step)
+            for p in predictions
+        ]
+
+
+def _step_predictor(model_dir: str = "models/dls-tiny", thresholds=DEFAULT_THRESHOLDS, **_) -> PredictionSource:
+    try:
+        return StepPredictorSource(model_dir, tuple(thresholds))
+    except ImportError as exc:
+        raise KeyError(f"prediction source 'predictor' is not available ({exc})") from None
+
+
+def _auto(model_dir: str = "models/dls-tiny", thresholds=DEFAULT_THRESHOLDS, **_) -> PredictionSource:
+    """The step predictor when one is trained next to the model, else the fallback."""
+    try:
+        return StepPredictorSource(model_dir, tuple(thresholds))
+    except Exception:  # noqa: BLE001 (missing package, missing or unreadable model: fall back)
+        return FallbackOnly()
+
+
+# name -> factory(model_dir=..., thresholds=...)
+PREDICTION_SOURCES: Registry = Registry("prediction source")
+PREDICTION_SOURCES.register("fallback", lambda **kw: FallbackOnly())
+PREDICTION_SOURCES.register("predictor", _step_predictor)
+PREDICTION_SOURCES.register("auto", _auto)

@@ -1,0 +1,276 @@
+"""Workloads: arrival processes, length distributions, SLO classes; the requests a run replays.
+
+Arrivals (registry ``ARRIVALS``): ``poisson``, ``gamma`` (coefficient of variation ``cv``; vLLM's
+``burstiness`` is ``1/cv^2``), ``burstgpt`` (a BurstGPT CSV: ``Timestamp`` divided by
+``time_scale``; both column layouts) and ``burstgpt-like`` (no file: a rate that moves between quiet
+periods and peaks, with Gamma(shape 0.5) gaps inside each minute, BurstGPT's burstiness).
+
+Lengths (registry ``LENGTHS``): ``fixed`` (``num_shots`` few-shot examples, the model's generation
+length) and ``sharegpt-like`` (prompt and output lengths log-normal with means 140 and 264, as in the
+paper's Table 2, mapped onto the task generator: prompt tokens -> few-shot count at 28 tokens per
+example (140 -> 5 shots, clipped to 0..8); output tokens -> generation length in whole blocks
+(264 -> 16 tokens, 8 to 32); 8-token generations get arithmetic problems, whose answers fit one block).
+
+Each request carries its task problem (drawn from the held-out split with the workload's seed), so the
+model-in-the-loop engine decodes it and the replay engine looks up its family and length.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from shared.tasks import Family, Problem, Split, TaskGenerator
+from sim.registry import Registry
+
+SHAREGPT_PROMPT_MEAN = 140.0
+SHAREGPT_OUTPUT_MEAN = 264.0
+TOKENS_PER_SHOT = SHAREGPT_PROMPT_MEAN / 5  # 140 nominal prompt tokens <-> the paper's 5-shot prompts
+MAX_SHOTS = 8
+
+
+@dataclass(frozen=True)
+class SloClass:
+    name: str
+    slo_factor: float  # SLO = factor x the isolated TP-1 latency at threshold 0.9
+    priority: int = 0
+    weight: float = 1.0  # share of requests
+    min_threshold: float = 0.0  # quality floor
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """One request of a workload, before it reaches the simulator."""
+
+    request_id: str
+    arrival_s: float
+    problem: Problem
+    gen_len: int
+    block_len: int
+    slo_s: float
+    priority: int = 0
+    slo_class: str = "standard"
+    min_threshold: float = 0.0
+    nominal_prompt_tokens: int = 0  # ShareGPT-like length the request stands for (0: none)
+    nominal_output_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class WorkloadConfig:
+    arrival: str = "poisson"  # ARRIVALS name
+    num_requests: int = 1000  # cap (the trace may end sooner)
+    duration_s: float | None = None  # cap on the arrival window (None: num_requests decides)
+    cv: float = 2.0  # gamma arrivals
+    trace_path: str | None = None  # burstgpt CSV
+    time_scale: float = 1.0  # burstgpt: virtual seconds = (timestamp - first) / time_scale
+    peak_to_mean: float = 2.5  # burstgpt-like: peak rate / mean rate
+    period_s: float = 600.0  # burstgpt-like: length of one quiet-peak-quiet cycle
+    lengths: str = "fixed"  # LENGTHS name
+    num_shots: int = 5
+    gen_len: int = 16
+    block_len: int = 8
+    slo_classes: tuple[SloClass, ...] = (SloClass("standard", 5.0),)
+    family: str | None = None  # restrict problems to one task family
+    seed: int = 0
+
+
+# --- arrivals ----------------------------------------------------------------------------------
+
+ArrivalFn = Callable[[WorkloadConfig, float, np.random.Generator], np.ndarray]
+ARRIVALS: Registry[ArrivalFn] = Registry("arrival process")
+
+
+def _cap(times: np.ndarray, config: WorkloadConfig) -> np.ndarray:
+    if config.duration_s is not None:
+        times = times[times < config.duration_s]
+    return times[: config.num_requests]
+
+
+def poisson_arrivals(config: WorkloadConfig, rate: float, rng: np.random.Generator) -> np.ndarray:
+    n = _count_for(config, rate)
+    return _cap(np.cumsum(rng.exponential(1.0 / rate, n)), config)
+
+
+def gamma_arrivals(config: WorkloadConfig, rate: float, rng: np.random.Generator) -> np.ndarray:
+    shape = 1.0 / config.cv**2
+    n = _count_for(config, rate)
+    return _cap(np.cumsum(rng.gamma(shape, 1.0 / (rate * shape), n)), config)
+
+
+def burstgpt_like_arrivals(config: WorkloadConfig, rate: float, rng: np.random.Generator) -> np.ndarray:
+    """Mean ``rate``; per-minute rates follow quiet-peak cycles with log-normal noise; Gamma(0.5) gaps."""
+    duration = config.duration_s or config.num_requests / rate
+    minute = min(60.0, config.period_s / 8)
+    num_bins = max(1, math.ceil(duration / minute))
+    centres = (np.arange(num_bins) + 0.5) * minute
+    shape = 0.5 - 0.5 * np.cos(2 * np.pi * centres / config.period_s)  # 0 quiet .. 1 peak
+    relative = 0.1 + shape**2 * (config.peak_to_mean - 0.1) * rng.lognormal(0.0, 0.15, num_bins)
+    per_bin = rate * relative / relative.mean()
+    times = []
+    for i, bin_rate in enumerate(per_bin):
+        gaps = rng.gamma(0.5, 1.0 / (bin_rate * 0.5), int(bin_rate * minute * 3) + 8)
+        t = i * minute + np.cumsum(gaps)
+        times.append(t[t < (i + 1) * minute])
+    return _cap(np.concatenate(times), config)
+
+
+def burstgpt_csv_arrivals(config: WorkloadConfig, rate: float, rng: np.random.Generator) -> np.ndarray:
+    rows = read_burstgpt(config.trace_path)
+    return _cap(np.array([r[0] for r in rows]) / config.time_scale, config)
+
+
+def _count_for(config: WorkloadConfig, rate: float) -> int:
+    if config.duration_s is None:
+        return config.num_requests
+    return min(config.num_requests, int(config.duration_s * rate * 1.5) + 16)
+
+
+ARRIVALS.register("poisson", poisson_arrivals)
+ARRIVALS.register("gamma", gamma_arrivals)
+ARRIVALS.register("burstgpt-like", burstgpt_like_arrivals)
+ARRIVALS.register("burstgpt", burstgpt_csv_arrivals)
+
+
+class TraceError(ValueError):
+    """A BurstGPT file that cannot be read; the message names the file and the field."""
+
+
+def read_burstgpt(path: str | Path | None) -> list[tuple[float, int, int]]:
+    """(seconds from the first request, request tokens, response tokens), failures dropped.
+
+    Accepts ``Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type`` (BurstGPT_1/2)
+    and the layout with ``Session ID,Elapsed time`` after ``Timestamp`` (BurstGPT_3): columns are
+    found by name, so their order does not matter.
+    """
+    if path is None:
+        raise TraceError("arrival 'burstgpt' needs a trace file (--trace)")
+    path = Path(path)
+    try:
+        with path.open(newline="") as handle:
+            reader = csv.DictReader(handle)
+            missing = {"Timestamp", "Request tokens", "Response tokens"} - set(reader.fieldnames or [])
+            if missing:
+                raise TraceError(f"{path}: missing column(s) {', '.join(sorted(missing))}")
+            rows = []
+            for line, row in enumerate(reader, start=2):
+                try:
+                    ts, req, resp = float(row["Timestamp"]), int(row["Request tokens"]), int(row["Response tokens"])
+                except (TypeError, ValueError):
+                    raise TraceError(f"{path}:{line}: bad Timestamp/Request tokens/Response tokens") from None
+                if resp > 0:  # response tokens 0 marks a failed request
+                    rows.append((ts, req, resp))
+    except FileNotFoundError:
+        raise TraceError(f"trace file not found: {path}") from None
+    if not rows:
+        raise TraceError(f"{path}: no successful requests")
+    rows.sort()
+    first = rows[0][0]
+    return [(ts - first, req, resp) for ts, req, resp in rows]
+
+
+# --- lengths -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What one request asks for, on the task generator's scale."""
+
+    num_shots: int
+    gen_len: int
+    family: Family | None = None
+    nominal_prompt_tokens: int = 0
+    nominal_output_tokens: int = 0
+
+
+LengthFn = Callable[[WorkloadConfig, int, np.random.Generator, list | None], list[Shape]]
+LENGTHS: Registry[LengthFn] = Registry("length distribution")
+
+
+def _family(config: WorkloadConfig) -> Family | None:
+    return Family(config.family) if config.family else None
+
+
+def fixed_lengths(config: WorkloadConfig, n: int, rng: np.random.Generator, trace_rows) -> list[Shape]:
+    return [Shape(config.num_shots, config.gen_len, _family(config)) for _ in range(n)]
+
+
+def sharegpt_like_lengths(config: WorkloadConfig, n: int, rng: np.random.Generator, trace_rows) -> list[Shape]:
+    """Log-normal prompt/output lengths with ShareGPT's means (or a BurstGPT file's own lengths)."""
+    if trace_rows is not None:
+        prompts = np.array([r[1] for r in trace_rows[:n]], dtype=float)
+        outputs = np.array([r[2] for r in trace_rows[:n]], dtype=float)
+    else:
+        prompts = _lognormal_with_mean(rng, SHAREGPT_PROMPT_MEAN, 0.9, n)
+        outputs = _lognormal_with_mean(rng, SHAREGPT_OUTPUT_MEAN, 0.8, n)
+    return [_shape_of(int(p), int(o), config) for p, o in zip(prompts, outputs, strict=True)]
+
+
+def _lognormal_with_mean(rng: np.random.Generator, mean: float, sigma: float, n: int) -> np.ndarray:
+    return np.clip(rng.lognormal(math.log(mean) - sigma**2 / 2, sigma, n), 4, 2048)
+
+
+def _shape_of(prompt_tokens: int, output_tokens: int, config: WorkloadConfig) -> Shape:
+    shots = int(np.clip(round(prompt_tokens / TOKENS_PER_SHOT), 0, MAX_SHOTS))
+    blocks_per_mean = config.gen_len / config.block_len  # the mean output maps to the model's length
+    num_blocks = int(np.clip(round(output_tokens / SHAREGPT_OUTPUT_MEAN * blocks_per_mean), 1, 4))
+    family = Family.ADD if num_blocks == 1 else _family(config)
+    return Shape(shots, num_blocks * config.block_len, family, prompt_tokens, output_tokens)
+
+
+LENGTHS.register("fixed", fixed_lengths)
+LENGTHS.register("sharegpt-like", sharegpt_like_lengths)
+
+
+# --- the workload ------------------------------------------------------------------------------
+
+
+@dataclass
+class Workload:
+    config: WorkloadConfig
+    rate_rps: float
+    requests: list[RequestSpec] = field(default_factory=list)
+
+    @property
+    def duration_s(self) -> float:
+        return self.requests[-1].arrival_s if self.requests else 0.0
+
+
+def generate(config: WorkloadConfig, rate_rps: float, base_latency_s: float) -> Workload:
+    """The requests of one run: arrivals at ``rate_rps`` (mean), shapes, problems and SLOs.
+
+    ``base_latency_s`` is the isolated TP-1 latency at threshold 0.9; each SLO class scales it.
+    Same config, rate and base latency: the same requests.
+    """
+    rng = np.random.default_rng([config.seed, int(round(rate_rps * 1000))])
+    times = ARRIVALS.get(config.arrival)(config, rate_rps, rng)
+    trace_rows = read_burstgpt(config.trace_path) if config.arrival == "burstgpt" else None
+    shapes = LENGTHS.get(config.lengths)(config, len(times), rng, trace_rows)
+    classes = config.slo_classes
+    weights = np.array([c.weight for c in classes], dtype=float)
+    class_index = rng.choice(len(classes), size=len(times), p=weights / weights.sum())
+    tasks = TaskGenerator(seed=config.seed)
+    requests = []
+    for i, (t, shape, k) in enumerate(zip(times.tolist(), shapes, class_index.tolist(), strict=True)):
+        slo_class = classes[k]
+        problem = tasks.problem(shape.num_shots, Split.HELD_OUT, shape.family)
+        requests.append(
+            RequestSpec(
+                request_id=f"r{i:06d}",
+                arrival_s=float(t),
+                problem=problem,
+                gen_len=shape.gen_len,
+                block_len=config.block_len,
+                slo_s=slo_class.slo_factor * base_latency_s,
+                priority=slo_class.priority,
+                slo_class=slo_class.name,
+                min_threshold=slo_class.min_threshold,
+                nominal_prompt_tokens=shape.nominal_prompt_tokens,
+                nominal_output_tokens=shape.nominal_output_tokens,
+            )
+        )
+    return Workload(config, rate_rps, requests)
