@@ -58,6 +58,7 @@ def _register_profile(subparsers) -> None:
     p.add_argument("--batch-sizes", default="1,2,4,8,16,32")
     p.add_argument("--context-tokens", type=int, default=128, help="prompt plus generation tokens per request")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--output", default=None, help="default: profiles/<model>-<device>.json")
     p.set_defaults(func=_profile)
 
@@ -69,6 +70,10 @@ def _profile(args: argparse.Namespace) -> int:
         batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     except ValueError:
         raise CliError(f"--batch-sizes: expected integers separated by commas, got {args.batch_sizes!r}") from None
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     profile = profile_model(args.model, args.device, batch_sizes, args.context_tokens, args.repeats)
     output = Path(args.output or f"profiles/{profile['model']}-{profile['device_slug']}.json")
     output.parent.mkdir(parents=True, exist_ok=True)
