@@ -24,6 +24,11 @@ from services.worker.tokenizer import CharTokenizer
 from shared.tasks import Family, Problem, Split, TaskGenerator, check_answer
 
 MASK_EPS = 1e-3
+# Sums of two 3-digit numbers have at most 4 digits. The model writes them right-aligned in a field
+# of this width, filled on the left with <pad> (which the tokenizer renders as nothing): every digit
+# then has a fixed place relative to "=" whatever the carry out of the top digit, instead of its place
+# depending on the answer's length, which is decided by the whole carry chain.
+ADD_ANSWER_WIDTH = 4
 
 
 @dataclass
@@ -55,11 +60,19 @@ class TrainConfig:
     init_from: str = ""
 
 
+def target_ids(problem: Problem, tokenizer: CharTokenizer) -> list[int]:
+    """What the model learns to write on the canvas for ``problem``: the answer, then EOS."""
+    ids = tokenizer.encode(problem.answer)
+    if problem.family is Family.ADD:
+        ids = [tokenizer.pad_token_id] * (ADD_ANSWER_WIDTH - len(ids)) + ids
+    return ids + [tokenizer.eos_token_id]
+
+
 def encode_batch(problems: list[Problem], tokenizer: CharTokenizer, gen_length: int):
     """Left-padded ids [B, L], attention mask, and the answer region mask (answer + EOS padding)."""
     rows = []
     for p in problems:
-        answer = tokenizer.encode(p.answer) + [tokenizer.eos_token_id]
+        answer = target_ids(p, tokenizer)
         if len(answer) > gen_length:
             raise ValueError(f"answer {p.answer!r} does not fit generation length {gen_length}")
         rows.append((tokenizer.encode(p.prompt), answer + [tokenizer.eos_token_id] * (gen_length - len(answer))))

@@ -4,7 +4,7 @@ import torch
 
 from services.worker.loading import load_model
 from services.worker.tokenizer import CharTokenizer
-from services.worker.training import TrainConfig, Trainer, diffusion_loss, encode_batch
+from services.worker.training import TrainConfig, Trainer, diffusion_loss, encode_batch, target_ids
 from shared.tasks import Split, TaskGenerator
 
 
@@ -44,3 +44,14 @@ def test_loss_only_counts_masked_answer_positions():
     model = Trainer(TrainConfig(d_model=32, n_layers=1, n_heads=4, mlp_hidden_size=64)).model
     loss = diffusion_loss(model, ids, attention, region, tokenizer.mask_token_id, torch.Generator().manual_seed(0))
     assert loss.item() > 0 and loss.requires_grad
+
+
+def test_sums_are_right_aligned_with_fill_that_decodes_to_nothing():
+    tokenizer = CharTokenizer()
+    gen = TaskGenerator(seed=0)
+    for _ in range(50):
+        problem = gen.problem(0, Split.TRAIN)
+        ids = target_ids(problem, tokenizer)
+        assert tokenizer.decode(ids) == problem.answer
+        if problem.family.value == "add":
+            assert len(ids) == 5 and ids[-1] == tokenizer.eos_token_id  # units digit always at index 3
