@@ -32,6 +32,15 @@ def request(request_id: str, num_prompt_tokens: int = 5) -> CompletionRequest:
                              block_length=8, slo_ms=5000.0, arrival_time=time.time())
 
 
+async def connect_with_intake(url: str, prefix: str):
+    """Subjects, a NATS connection and its JetStream context, with the intake stream in place."""
+    subjects = Subjects(prefix)
+    nc = await nats.connect(url)
+    js = nc.jetstream()
+    await ensure_intake_stream(js, subjects)
+    return subjects, nc, js
+
+
 def test_stream_has_work_queue_retention_and_ensure_is_idempotent(nats_server, unique_prefix):
     async def main():
         nc = await nats.connect(nats_server.url)
@@ -94,10 +103,7 @@ def test_unacked_request_is_redelivered_to_the_next_consumer_and_acked_is_gone(n
 
 def test_nak_redelivers_at_once(nats_server, unique_prefix):
     async def main():
-        subjects = Subjects(unique_prefix)
-        nc = await nats.connect(nats_server.url)
-        js = nc.jetstream()
-        await ensure_intake_stream(js, subjects)
+        subjects, nc, js = await connect_with_intake(nats_server.url, unique_prefix)
         await publish_request(js, subjects, request("r1"))
         consumer = await IntakeConsumer.create(js, subjects, ack_wait_s=30.0)
         [delivery] = await consumer.fetch(timeout_s=2.0)
@@ -112,10 +118,7 @@ def test_nak_redelivers_at_once(nats_server, unique_prefix):
 
 def test_republished_request_id_is_stored_once(nats_server, unique_prefix):
     async def main():
-        subjects = Subjects(unique_prefix)
-        nc = await nats.connect(nats_server.url)
-        js = nc.jetstream()
-        await ensure_intake_stream(js, subjects)
+        subjects, nc, js = await connect_with_intake(nats_server.url, unique_prefix)
         await publish_request(js, subjects, request("r1"))
         retry = await publish_request(js, subjects, request("r1"))
         assert retry.duplicate
@@ -132,10 +135,7 @@ def test_republished_request_id_is_stored_once(nats_server, unique_prefix):
 
 def test_malformed_intake_message_is_dropped_not_redelivered(nats_server, unique_prefix):
     async def main():
-        subjects = Subjects(unique_prefix)
-        nc = await nats.connect(nats_server.url)
-        js = nc.jetstream()
-        await ensure_intake_stream(js, subjects)
+        subjects, nc, js = await connect_with_intake(nats_server.url, unique_prefix)
         await js.publish(subjects.intake, b"\xc1 definitely not msgpack")
         await publish_request(js, subjects, request("good"))
         consumer = await IntakeConsumer.create(js, subjects, ack_wait_s=1.0)
@@ -151,10 +151,7 @@ def test_malformed_intake_message_is_dropped_not_redelivered(nats_server, unique
 
 def test_oversize_request_is_refused_before_publishing(nats_server, unique_prefix):
     async def main():
-        subjects = Subjects(unique_prefix)
-        nc = await nats.connect(nats_server.url)
-        js = nc.jetstream()
-        await ensure_intake_stream(js, subjects)
+        subjects, nc, js = await connect_with_intake(nats_server.url, unique_prefix)
         with pytest.raises(PayloadTooLargeError, match="CompletionRequest"):
             await publish_request(js, subjects, request("big", num_prompt_tokens=400_000))
         assert (await js.stream_info(subjects.intake_stream)).state.messages == 0
