@@ -16,6 +16,7 @@ _SUBCOMMAND_MODULES = (
     "services.reconfigurator.cli",  # reconfig solve
     "services.predictor.cli",  # collect-traces, train-predictor
     "sim.cli",  # sim, compare, capacity
+    "services.stack",  # up
 )
 
 

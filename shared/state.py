@@ -82,6 +82,11 @@ class RequestRecord(msgspec.Struct, frozen=True, kw_only=True):
     seed: int | None = None  # sampling seed
     stream: bool = False  # the client wants a progress event per step
     last_instance_id: str | None = None  # instance that ran the last step (holds a local copy and KV cache)
+    instance_history: list[str] = []  # instances it ran on, in order of first visit
+    num_recompute_steps: int = 0  # of num_steps, the full forwards
+    num_migrations: int = 0  # steps that ran on another instance than the step before
+    model: str = ""  # the model name it was asked for (the gateway's answer echoes it)
+    finish_reason: str = ""  # "stop" (EOS) or "length" once finished
     finished_at: float | None = None  # unix time (s) it reached a terminal status
     detail: str = ""  # why it was rejected or cancelled
 

@@ -212,6 +212,28 @@ class ClusterView:
         del self.instances[instance_id]
         self.num_instance_changes += 1
 
+    def fail_instance(self, instance_id: str) -> list[str]:
+        """Forget an instance that died (its lease expired): every request on it goes back to the
+        queue, including those whose step was running there (that step is lost; the request's last
+        stored state is where it resumes). Returns the ids of the requests whose step was lost."""
+        inst = self.instances[instance_id]
+        lost = []
+        for rid in list(inst.resident_ids):
+            request = self.requests[rid]
+            if request.status in (RequestStatus.RUNNING, RequestStatus.MIGRATING):
+                request.move(RequestStatus.READY)
+                lost.append(rid)
+        self.remove_instance(instance_id)
+        return lost
+
+    def requeue_request(self, request_id: str) -> None:
+        """A request's running step failed without an outcome (stale or missing state on the
+        worker): it goes back to READY on its instance, counters unchanged, to be assigned again."""
+        request = self.requests[request_id]
+        if request.status in (RequestStatus.RUNNING, RequestStatus.MIGRATING):
+            request.move(RequestStatus.READY)
+            self.ready_ids[request.request_id] = None
+
     def alive_instances(self) -> list[InstanceView]:
         return [inst for inst in self.instances.values() if inst.alive]
 

