@@ -160,6 +160,34 @@ def test_cancel_and_instance_removal(profile):
     assert assignment.instance_id in view.instances
 
 
+def test_failed_instance_sends_running_requests_back_to_the_queue(profile):
+    view = make_view(profile, [1, 1])
+    loop = SchedulingLoop(make_policy("fixed"), view)
+    loop.on_arrivals(0.0, [make_request("a"), make_request("b")])
+    host = view.requests["a"].instance_id
+    assert view.requests["a"].status == RequestStatus.RUNNING
+    with pytest.raises(ValueError):
+        view.remove_instance(host)  # a step is running there: only a failure may drop it
+    on_host = [rid for rid in ("a", "b") if view.requests[rid].instance_id == host]
+    assert sorted(view.fail_instance(host)) == sorted(on_host)
+    assert host not in view.instances
+    assert all(view.requests[rid].status == RequestStatus.QUEUED for rid in on_host)
+    assert all(view.requests[rid].num_steps_done == 0 for rid in on_host)  # the lost step is not counted
+    decisions = loop.tick(0.1)
+    assert {a.request_id for a in decisions.assignments} >= set(on_host)
+    assert all(a.instance_id != host for a in decisions.assignments)
+
+
+def test_requeued_request_is_assigned_again_without_a_step(profile):
+    view = make_view(profile, [1])
+    loop = SchedulingLoop(make_policy("fixed"), view)
+    loop.on_arrival(0.0, make_request("r"))
+    view.requeue_request("r")
+    assert view.requests["r"].status == RequestStatus.READY and view.requests["r"].num_steps_done == 0
+    (assignment,) = loop.tick(0.1).assignments
+    assert assignment.request_id == "r" and view.requests["r"].status == RequestStatus.RUNNING
+
+
 def test_view_rejects_duplicates(profile):
     view = ClusterView()
     view.add_instance("x", 1, profile)
