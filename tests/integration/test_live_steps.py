@@ -170,3 +170,26 @@ def test_cache_modes_agree_with_the_engine_offline(nats_server, redis_server, un
             await cluster.close()
 
     run(main())
+
+
+def test_a_tensor_parallel_instance_gives_the_tokens_of_tp1(nats_server, redis_server, unique_prefix):
+    """A TP-2 worker (two processes over gloo) serves requests with exactly the tokens of TP-1."""
+    from services.worker.tp import make_engine
+
+    async def main():
+        cluster = LiveCluster(nats_server.url, redis_server.url, unique_prefix)
+        await cluster.start(num_workers=0)
+        tp_engine = make_engine("models/dls-tiny", tp=2)
+        try:
+            await cluster.add_worker(engine=tp_engine, tp=2, profile=H100_PROFILE)
+            batch = problems(6, seed=13)
+            outcomes = await asyncio.gather(*[cluster.submit(engine().encode(p.prompt)) for p in batch])
+            for p, outcome in zip(batch, outcomes, strict=True):
+                final = outcome.final
+                assert isinstance(final, RequestFinished), final
+                assert final.token_ids == offline_tokens(engine().encode(p.prompt), final.usage.thresholds)
+        finally:
+            await cluster.close()
+            tp_engine.close()
+
+    run(main())

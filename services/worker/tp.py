@@ -1,0 +1,539 @@
+"""Tensor parallelism: one model instance spread over ``d`` processes (Megatron-style sharding).
+
+Sharding (:func:`shard_model`), per block:
+
+* attention ``q_proj``/``k_proj``/``v_proj``: column-parallel by heads. Rank ``r`` keeps query heads
+  ``[r*h/d, (r+1)*h/d)`` and key/value heads ``[r*h_kv/d, (r+1)*h_kv/d)``; with grouped-query
+  attention those are exactly the key/value heads its query heads read, so attention is local.
+* ``attn_out``: row-parallel (the rank's slice of the head dimension), then an all-reduce.
+* SwiGLU ``ff_proj`` (gate) and ``up_proj``: column-parallel; ``ff_out`` (down): row-parallel, then an
+  all-reduce.
+* embeddings, norms and the LM head: replicated.
+
+After each all-reduce every rank holds the same activations, so every rank computes the same logits
+and commits the same tokens.
+
+The engine (:class:`TensorParallelEngine`) is SPMD: each rank runs the ordinary :class:`DLMEngine`
+step logic with its shard, so each rank's KV cache holds its own heads. Rank 0 lives in the caller's
+process; ranks 1..d-1 are child processes (``torch.multiprocessing``, spawn). For every step rank 0
+rings a doorbell (a pipe per child, which a child can wait on for as long as the worker is idle,
+without tripping the process group's timeout) and then broadcasts the step (the request states as
+they are on rank 0, their thresholds, and the cache drops since the last step) with
+``broadcast_object_list``. Broadcasting the states each step is what keeps the ranks in agreement
+when the worker loads a state from the state store at any step.
+
+``d = 1`` needs none of this: :func:`make_engine` returns a plain :class:`DLMEngine` then.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+from services.worker.engine import CacheMode, DLMEngine, RequestState, StepKind, StepResult
+from services.worker.loading import load_model
+from services.worker.model import DLMConfig, DLMForMaskedDiffusion
+
+_HOST = "127.0.0.1"
+_START_POLL_S = 0.1  # how often rank 0 checks on children while they start
+_IDLE_POLL_S = 1.0  # how often an idle child checks that rank 0 is still there
+_JOIN_S = 10.0  # how long close() waits for a child to leave on its own before terminating it
+
+
+class ShardingError(ValueError):
+    """The model cannot be split over the requested tensor-parallel degree."""
+
+
+class TensorParallelError(RuntimeError):
+    """A tensor-parallel rank failed or is gone; the engine cannot be used any more."""
+
+
+# --- sharding -------------------------------------------------------------------------------------
+
+AllReduce = Callable[[torch.Tensor], None]  # sums a tensor over the ranks, in place
+
+
+def _dist_all_reduce(tensor: torch.Tensor) -> None:
+    dist.all_reduce(tensor)
+
+
+class RowParallelLinear(nn.Module):
+    """A linear layer whose input features are split over the ranks: ``all_reduce(x_r @ W_r^T) + b``."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, all_reduce: AllReduce) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.all_reduce = all_reduce
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight)
+        self.all_reduce(out)
+        # NOTE: the bias is added once, after the sum, not on every rank before it.
+        return out if self.bias is None else out + self.bias
+
+
+def check_divisible(config: DLMConfig, degree: int) -> None:
+    """Raise :class:`ShardingError` unless ``degree`` divides the heads, key/value heads and MLP width."""
+    if degree < 1:
+        raise ShardingError(f"tensor-parallel degree must be at least 1, got {degree}")
+    sizes = {"n_heads": config.n_heads, "n_kv_heads": config.n_kv_heads, "mlp_hidden_size": config.mlp_hidden_size}
+    bad = [f"{name}={value}" for name, value in sizes.items() if value % degree]
+    if bad:
+        raise ShardingError(
+            f"tensor-parallel degree {degree} must divide n_heads, n_kv_heads and mlp_hidden_size; "
+            f"not divisible: {', '.join(bad)}"
+        )
+
+
+def _keep_rows(linear: nn.Linear, rows: slice) -> None:
+    linear.weight = nn.Parameter(linear.weight.data[rows].clone(), requires_grad=False)
+    if linear.bias is not None:
+        linear.bias = nn.Parameter(linear.bias.data[rows].clone(), requires_grad=False)
+    linear.out_features = linear.weight.shape[0]
+
+
+def _row_parallel(linear: nn.Linear, columns: slice, all_reduce: AllReduce) -> RowParallelLinear:
+    bias = None if linear.bias is None else linear.bias.data.clone()
+    return RowParallelLinear(linear.weight.data[:, columns].clone(), bias, all_reduce)
+
+
+def _part(rank: int, size: int) -> slice:
+    return slice(rank * size, (rank + 1) * size)
+
+
+def shard_model(
+    model: DLMForMaskedDiffusion, rank: int, degree: int, all_reduce: AllReduce = _dist_all_reduce
+) -> DLMForMaskedDiffusion:
+    """Keep only rank ``rank``'s shard of every block (in place); the config still describes the whole model.
+
+    ``all_reduce`` sums the row-parallel partial outputs over the ranks (``torch.distributed`` by
+    default; tests pass an in-process one).
+    """
+    config = model.config
+    check_divisible(config, degree)
+    if not 0 <= rank < degree:
+        raise ShardingError(f"rank {rank} is outside [0, {degree})")
+    head_dim = config.head_dim
+    q_width = config.n_heads // degree * head_dim
+    kv_width = config.n_kv_heads // degree * head_dim
+    mlp_width = config.mlp_hidden_size // degree
+    for block in model.model.transformer.blocks:
+        _keep_rows(block.q_proj, _part(rank, q_width))
+        _keep_rows(block.k_proj, _part(rank, kv_width))
+        _keep_rows(block.v_proj, _part(rank, kv_width))
+        block.attn_out = _row_parallel(block.attn_out, _part(rank, q_width), all_reduce)
+        block.n_heads, block.n_kv_heads = config.n_heads // degree, config.n_kv_heads // degree
+        _keep_rows(block.ff_proj, _part(rank, mlp_width))
+        _keep_rows(block.up_proj, _part(rank, mlp_width))
+        block.ff_out = _row_parallel(block.ff_out, _part(rank, mlp_width), all_reduce)
+    return model
+
+
+# --- one rank -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _RankSpec:
+    """What every rank needs to build its engine (sent to the children, so plain data)."""
+
+    model_dir: str
+    degree: int
+    device: str
+    dtype: torch.dtype | None
+    stop_at_eos: bool
+    num_threads: int | None
+    timeout_s: float
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if torch.device(self.device).type == "cuda" else "gloo"
+
+    @property
+    def timeout(self) -> timedelta:
+        return timedelta(seconds=self.timeout_s)
+
+    def rank_device(self, rank: int) -> torch.device:
+        """``cuda`` or ``cuda:N`` puts rank r on GPU N + r; anything else is used as is."""
+        base = torch.device(self.device)
+        if base.type != "cuda":
+            return base
+        return torch.device("cuda", (base.index or 0) + rank)
+
+
+def _load_shard(spec: _RankSpec, rank: int) -> tuple[DLMEngine, DLMForMaskedDiffusion]:
+    loaded = load_model(spec.model_dir, device="cpu", dtype=spec.dtype)  # slice on the CPU, then move
+    shard_model(loaded.model, rank, spec.degree)
+    model = loaded.model.to(spec.rank_device(rank))
+    engine = DLMEngine(model, loaded.tokenizer, loaded.gen_length, loaded.block_length,
+                       stop_at_eos=spec.stop_at_eos, name=loaded.name)
+    return engine, model
+
+
+def _init_group(spec: _RankSpec, rank: int, store: dist.Store) -> None:
+    if spec.backend == "nccl":
+        torch.cuda.set_device(spec.rank_device(rank))
+    dist.init_process_group(spec.backend, store=store, rank=rank, world_size=spec.degree, timeout=spec.timeout)
+
+
+def _step_summary(results: list[StepResult], batch: list[tuple[RequestState, float]]) -> list:
+    """What must be identical on every rank after a step."""
+    committed = [(r.request_id, int(r.kind), r.block_index, r.committed_positions, r.committed_token_ids,
+                  r.finished, r.num_steps) for r in results]
+    return [committed, [(s.canvas, s.num_steps, s.finished) for s, _ in batch]]
+
+
+@torch.no_grad()
+def _forward(model: DLMForMaskedDiffusion, input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
+    mask = None if attention_mask is None else attention_mask.to(model.device)
+    return model(input_ids.to(model.device), attention_mask=mask).logits
+
+
+def _rank_main(rank: int, spec: _RankSpec, port: int, conn: Connection) -> None:
+    """Entry point of ranks 1..d-1: start, then follow rank 0's commands until told to stop."""
+    if spec.num_threads is not None:
+        torch.set_num_threads(spec.num_threads)
+    try:
+        conn.send(("hello",))
+        store = dist.TCPStore(_HOST, port, spec.degree, is_master=False, timeout=spec.timeout)
+        _init_group(spec, rank, store)
+        engine, model = _load_shard(spec, rank)
+    except Exception as exc:  # noqa: BLE001 - any start-up failure is reported to rank 0
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        raise SystemExit(1) from None
+    conn.send(("ready",))
+    try:
+        _serve(engine, model, conn)
+    finally:
+        conn.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _wait_for_doorbell(conn: Connection) -> bool:
+    """True when rank 0 is about to broadcast a command; False when it said to leave or is gone."""
+    while True:
+        try:
+            if conn.poll(_IDLE_POLL_S):
+                return conn.recv() == "go"
+        except (EOFError, OSError):  # rank 0's end of the pipe closed: its process is gone
+            return False
+        parent = mp.parent_process()
+        if parent is not None and not parent.is_alive():
+            return False
+
+
+def _serve(engine: DLMEngine, model: DLMForMaskedDiffusion, conn: Connection) -> None:
+    while _wait_for_doorbell(conn):
+        box = [None]
+        dist.broadcast_object_list(box, src=0)
+        command, *args = box[0]
+        if command == "shutdown":
+            return
+        if command == "step":
+            drop_ids, batch, verify = args
+            for request_id in drop_ids:
+                engine.drop(request_id)
+            results = engine.step(batch)
+            if verify:
+                dist.all_gather_object([None] * dist.get_world_size(), _step_summary(results, batch))
+        elif command == "forward":
+            _forward(model, *args)
+        else:
+            raise TensorParallelError(f"unknown command {command!r}")
+
+
+# --- rank 0: the engine ---------------------------------------------------------------------------
+
+
+class TensorParallelEngine:
+    """A :class:`DLMEngine` whose model is split over ``tp`` processes; same public API.
+
+    ``device``: ``cpu`` (backend gloo) or ``cuda``/``cuda:N`` (backend nccl, rank r on GPU N + r;
+    rank 0 makes GPU N the caller's current device).
+    ``num_threads``: torch threads of each child rank (rank 0 keeps the caller's setting; None leaves
+    the children's default). ``timeout_s``: the process group's timeout, after which a rank that
+    stopped answering makes the call fail instead of hang (idle time between calls does not count).
+    ``verify``: after each step, check that every rank committed the same tokens (one extra
+    collective per step; for tests and debugging). ``start_timeout_s``: how long the child ranks may
+    take to start.
+
+    A process has at most one default ``torch.distributed`` process group, so at most one
+    tensor-parallel engine runs per process at a time; :meth:`close` releases it (also usable as a
+    context manager). After a rank fails, every call raises :class:`TensorParallelError`.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        tp: int,
+        device: str = "cpu",
+        dtype: torch.dtype | None = None,
+        stop_at_eos: bool = True,
+        num_threads: int | None = 1,
+        timeout_s: float = 60.0,
+        verify: bool = False,
+        start_timeout_s: float = 180.0,
+    ) -> None:
+        if tp < 2:
+            raise ShardingError(f"TensorParallelEngine needs tp >= 2, got {tp} (use make_engine for tp=1)")
+        if dist.is_initialized():
+            raise TensorParallelError(
+                "this process already has a torch.distributed process group; close the other "
+                "tensor-parallel engine first"
+            )
+        self.tp = tp
+        self.verify = verify
+        self._start_timeout_s = start_timeout_s
+        self._spec = _RankSpec(str(model_dir), tp, device, dtype, stop_at_eos, num_threads, timeout_s)
+        self._children: list[tuple[mp.Process, Connection]] = []  # rank - 1 -> (process, rank 0's pipe end)
+        self._drop_ids: list[str] = []  # dropped on rank 0 since the last step; the others drop them next
+        self._failure: str | None = None  # why the engine is unusable
+        self._closed = False
+        self._owns_group = False
+        # Loading (and sharding) here first reports a bad directory or degree before any process starts.
+        self._engine, self.model = _load_shard(self._spec, 0)
+        try:
+            self._start_ranks()
+        except BaseException:
+            self.close()
+            raise
+
+    def _start_ranks(self) -> None:
+        ctx = mp.get_context("spawn")
+        # Port 0: the OS picks a free port, and the store owns it from then on (no race for it).
+        self._store = dist.TCPStore(_HOST, 0, self.tp, is_master=True, wait_for_workers=False,
+                                    timeout=self._spec.timeout)
+        for rank in range(1, self.tp):
+            parent_end, child_end = ctx.Pipe()
+            process = ctx.Process(target=_rank_main, args=(rank, self._spec, self._store.port, child_end),
+                                  name=f"dls-tp-rank{rank}", daemon=True)
+            process.start()
+            child_end.close()
+            self._children.append((process, parent_end))
+        self._await_children("hello")
+        _init_group(self._spec, 0, self._store)
+        self._owns_group = True
+        self._await_children("ready")
+
+    def _await_children(self, expected: str) -> None:
+        for rank, (process, conn) in enumerate(self._children, start=1):
+            waited = 0.0
+            while not conn.poll(_START_POLL_S):
+                waited += _START_POLL_S
+                if not process.is_alive():
+                    raise TensorParallelError(f"rank {rank} exited with code {process.exitcode} while starting")
+                if waited > self._start_timeout_s:
+                    raise TensorParallelError(f"rank {rank} did not start within {self._start_timeout_s} s")
+            try:
+                message = conn.recv()
+            except EOFError:  # the child closed its end: it is exiting
+                process.join(_JOIN_S)
+                raise TensorParallelError(f"rank {rank} exited with code {process.exitcode} while starting") from None
+            if message[0] == "error":
+                raise TensorParallelError(f"rank {rank} failed to start: {message[1]}")
+            if message[0] != expected:
+                raise TensorParallelError(f"rank {rank} sent {message!r} while starting, expected {expected!r}")
+
+    # --- the calls that every rank makes --------------------------------------------------------
+
+    def step(self, batch: list[tuple[RequestState, float]]) -> list[StepResult]:
+        """Advance every (state, threshold) by one step on all ranks; states are updated in place."""
+        self._check_usable()
+        for state, threshold in batch:
+            # Validate here, before any rank is involved: a bad request must not leave the ranks
+            # half-way through a collective. Planning has no side effects.
+            self._engine._plan(state, threshold)
+        drop_ids, self._drop_ids = self._drop_ids, []
+        return self._on_all_ranks(("step", drop_ids, batch, self.verify), lambda: self._local_step(batch))
+
+    def _local_step(self, batch: list[tuple[RequestState, float]]) -> list[StepResult]:
+        results = self._engine.step(batch)
+        if self.verify:
+            summaries = [None] * self.tp
+            dist.all_gather_object(summaries, _step_summary(results, batch))
+            for rank, summary in enumerate(summaries):
+                if summary != summaries[0]:
+                    raise TensorParallelError(f"rank {rank} committed different tokens from rank 0")
+        return results
+
+    def forward_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """One forward of the sharded model over ``input_ids`` [B, Q]; rank 0's logits [B, Q, V] on the CPU."""
+        self._check_usable()
+        input_ids = input_ids.cpu()
+        attention_mask = None if attention_mask is None else attention_mask.cpu()
+        command = ("forward", input_ids, attention_mask)
+        return self._on_all_ranks(command, lambda: _forward(self.model, input_ids, attention_mask)).cpu()
+
+    def _on_all_ranks(self, command: tuple, local: Callable):
+        try:
+            self._ring_doorbells()
+            dist.broadcast_object_list([command], src=0)
+            return local()
+        except TensorParallelError as exc:
+            self._failure = str(exc)
+            raise
+        except BaseException as exc:
+            # The other ranks may be anywhere in the step now: the engine cannot go on.
+            self._failure = f"{command[0]} failed on rank 0 ({type(exc).__name__}: {exc}){self._dead_ranks_note()}"
+            if isinstance(exc, Exception):
+                raise TensorParallelError(self._failure) from exc
+            raise  # KeyboardInterrupt and the like pass through as they are
+
+    def _ring_doorbells(self) -> None:
+        dead = self._dead_ranks_note()
+        if dead:
+            raise TensorParallelError(dead.removeprefix("; "))
+        for rank, (_, conn) in enumerate(self._children, start=1):
+            try:
+                conn.send("go")
+            except OSError as exc:
+                raise TensorParallelError(f"rank {rank} is unreachable ({exc})") from None
+
+    def _dead_ranks_note(self) -> str:
+        dead = [f"rank {rank} exited with code {process.exitcode}"
+                for rank, (process, _) in enumerate(self._children, start=1) if not process.is_alive()]
+        return "; " + ", ".join(dead) if dead else ""
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise TensorParallelError("the tensor-parallel engine is closed")
+        if self._failure is not None:
+            raise TensorParallelError(f"the tensor-parallel engine is unusable: {self._failure}; close it")
+
+    # --- local calls (every rank holds the same caches, so rank 0 answers) -----------------------
+
+    def drop(self, request_id: str) -> None:
+        """Forget a request's cache (it finished, or moved to another instance)."""
+        self._engine.drop(request_id)
+        self._drop_ids.append(request_id)
+
+    def has_cache(self, request_id: str) -> bool:
+        return self._engine.has_cache(request_id)
+
+    def next_step_kind(self, state: RequestState) -> StepKind:
+        return self._engine.next_step_kind(state)
+
+    def current_block(self, state: RequestState) -> int:
+        return self._engine.current_block(state)
+
+    def new_request(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        gen_length: int | None = None,
+        block_length: int | None = None,
+        cache_mode: CacheMode = CacheMode.DUAL,
+    ) -> RequestState:
+        return self._engine.new_request(request_id, prompt_ids, gen_length, block_length, cache_mode)
+
+    def encode(self, text: str) -> list[int]:
+        return self._engine.encode(text)
+
+    def decode(self, ids: list[int]) -> str:
+        return self._engine.decode(ids)
+
+    # These only call step/new_request/encode/decode, so DLMEngine's own versions run on all ranks here.
+    run_to_completion = DLMEngine.run_to_completion
+    generate = DLMEngine.generate
+
+    @property
+    def tokenizer(self):
+        return self._engine.tokenizer
+
+    @property
+    def mask_id(self) -> int:
+        return self._engine.mask_id
+
+    @property
+    def eos_id(self) -> int:
+        return self._engine.eos_id
+
+    @property
+    def default_gen_length(self) -> int:
+        return self._engine.default_gen_length
+
+    @property
+    def default_block_length(self) -> int:
+        return self._engine.default_block_length
+
+    @property
+    def stop_at_eos(self) -> bool:
+        return self._engine.stop_at_eos
+
+    @property
+    def name(self) -> str:
+        return self._engine.name
+
+    @property
+    def processes(self) -> tuple[mp.Process, ...]:
+        """The child processes of ranks 1..d-1."""
+        return tuple(process for process, _ in self._children)
+
+    # --- shutting down --------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop ranks 1..d-1 (no process is left behind) and destroy the process group. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._owns_group and self._failure is None:
+            try:
+                self._ring_doorbells()
+                dist.broadcast_object_list([("shutdown",)], src=0)
+            except Exception:  # noqa: BLE001 - a failing rank is stopped below all the same
+                pass
+        for _, conn in self._children:
+            try:
+                conn.send("exit")  # for a child still waiting at its doorbell
+            except OSError:
+                pass
+        for process, conn in self._children:
+            process.join(_JOIN_S)
+            if process.is_alive():
+                process.terminate()
+                process.join(_JOIN_S)
+            if process.is_alive():
+                process.kill()
+                process.join()
+            conn.close()
+        if self._owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self._owns_group = False
+        self._store = None
+
+    def __enter__(self) -> TensorParallelEngine:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+def make_engine(
+    model_dir: str | Path,
+    tp: int = 1,
+    device: str = "cpu",
+    dtype: torch.dtype | None = None,
+    stop_at_eos: bool = True,
+    **tp_options,
+) -> DLMEngine | TensorParallelEngine:
+    """A plain :class:`DLMEngine` for ``tp == 1``, a :class:`TensorParallelEngine` otherwise.
+
+    ``tp_options`` (``num_threads``, ``timeout_s``, ``verify``, ``start_timeout_s``) only apply to ``tp > 1``.
+    """
+    if tp < 1:
+        raise ShardingError(f"tensor-parallel degree must be at least 1, got {tp}")
+    if tp == 1:
+        loaded = load_model(model_dir, device=device, dtype=dtype)
+        return DLMEngine(loaded.model, loaded.tokenizer, loaded.gen_length, loaded.block_length,
+                         stop_at_eos=stop_at_eos, name=loaded.name)
+    return TensorParallelEngine(model_dir, tp, device, dtype, stop_at_eos, **tp_options)
