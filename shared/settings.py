@@ -54,7 +54,8 @@ class GatewaySettings(ServiceSettings):
     host: str = _own("gateway", "host", "127.0.0.1", "address the HTTP server binds")
     port: int = _own("gateway", "port", 8000, "HTTP port")
     api_keys: list[str] = _own("gateway", "api_keys", [], "accepted bearer tokens (JSON list); empty: no auth")
-    default_slo_ms: float = _own("gateway", "default_slo_ms", 30_000.0, "SLO of requests that set none", gt=0)
+    default_slo_ms: float = _own("gateway", "default_slo_ms", 30_000.0,
+                                 "SLO of requests that set none when no predictor or profile loads", gt=0)
     default_gen_length: int | None = _own("gateway", "default_gen_length", None,
                                           "max_tokens of requests that set none; unset: the model's")
     default_block_length: int | None = _own("gateway", "default_block_length", None,
@@ -62,6 +63,20 @@ class GatewaySettings(ServiceSettings):
     max_gen_length: int = _own("gateway", "max_gen_length", 4096, "largest max_tokens accepted", gt=0)
     request_timeout_s: float = _own("gateway", "request_timeout_s", 300.0,
                                     "give up waiting for a request's final event after this long", gt=0)
+    model_dir: str = _own("gateway", "model_dir", "models/dls-tiny",
+                          "served model's directory (tokenizer, config, predictor); its basename is the model name")
+    profile: str = _own("gateway", "profile", "profiles/dls-tiny-cpu.json",
+                        "step-latency profile for default SLOs (TP-1 latency at batch 1)")
+    default_slo_factor: float = _own("gateway", "default_slo_factor", 5.0,
+                                     "default SLO = this times the predicted isolated latency", gt=0)
+    min_default_slo_ms: float = _own("gateway", "min_default_slo_ms", 1000.0,
+                                     "floor of a computed default SLO (NATS/Redis round trips on a busy host)",
+                                     ge=0)
+    max_request_bytes: int = _own("gateway", "max_request_bytes", 1_048_576, "largest HTTP request body accepted",
+                                  gt=0)
+    max_messages: int = _own("gateway", "max_messages", 256, "most chat messages in one request", gt=0)
+    retry_after_s: int = _own("gateway", "retry_after_s", 2,
+                              "Retry-After (s) of 429 (SLO infeasible now) and 503 (no instance) answers", ge=0)
 
 
 class SchedulerSettings(ServiceSettings):
@@ -71,7 +86,9 @@ class SchedulerSettings(ServiceSettings):
     policy_config: str | None = _own("scheduler", "policy_config", None, "JSON file with the policy's config")
     thresholds: list[float] = _own("scheduler", "thresholds", [0.5, 0.6, 0.7, 0.8, 0.9],
                                    "candidate confidence thresholds (JSON list)")
-    profile: str = _own("scheduler", "profile", "profiles/llada-8b-h100.json", "step-latency profile file")
+    profile: str = _own("scheduler", "profile", "profiles/llada-8b-h100.json",
+                        "step-latency profile for instances whose heartbeat names none (or an unreadable one)")
+    model_dir: str = _own("scheduler", "model_dir", "models/dls-tiny", "served model (its config gives the mask id)")
     consumer_name: str = _own("scheduler", "consumer_name", "scheduler", "durable JetStream consumer on the intake")
     intake_batch: int = _own("scheduler", "intake_batch", 64, "most intake messages fetched at once", gt=0)
     ack_wait_s: float = _own("scheduler", "ack_wait_s", 30.0,
@@ -96,6 +113,8 @@ class WorkerSettings(ServiceSettings):
     heartbeat_interval_s: float = _own("worker", "heartbeat_interval_s", 2.0, "period of heartbeats", gt=0)
     lease_ttl_s: float = _own("worker", "lease_ttl_s", 6.0, "the scheduler drops the instance after this silence",
                               gt=0)
+    profile: str = _own("worker", "profile", "profiles/dls-tiny-cpu.json",
+                        "latency profile the scheduler plans this instance with when it is not paced")
     pace_profile: str | None = _own("worker", "pace_profile", None,
                                     "latency profile to pace steps to (emulate a GPU); unset: run at own speed")
 
@@ -119,11 +138,18 @@ class ReconfiguratorSettings(ServiceSettings):
 
     enabled: bool = _own("reconfigurator", "enabled", True, "publish plans; false: observe only")
     interval_s: float = _own("reconfigurator", "interval_s", 300.0, "period between plans", gt=0)
-    cluster: str | None = _own("reconfigurator", "cluster", None, "cluster spec JSON (nodes, GPUs)")
+    cluster: str | None = _own("reconfigurator", "cluster", None,
+                               "cluster spec: inline JSON or a JSON file (nodes, GPUs); unset: the nodes and "
+                               "GPUs seen in heartbeats")
     profile: str = _own("reconfigurator", "profile", "profiles/llada-8b-h100.json", "step-latency profile file")
     improvement_margin: float = _own("reconfigurator", "improvement_margin", 0.1,
                                      "apply a plan only when Stage 1 improves by this fraction", ge=0)
     solver_time_limit_s: float = _own("reconfigurator", "solver_time_limit_s", 30.0, "HiGHS time limit", gt=0)
+    window_s: float = _own("reconfigurator", "window_s", 300.0, "arrival rates are measured over this sliding window",
+                           gt=0)
+    ack_timeout_s: float = _own("reconfigurator", "ack_timeout_s", 300.0,
+                                "a plan not acknowledged by all its nodes within this long stops holding back "
+                                "the next", gt=0)
 
 
 class NodeAgentSettings(ServiceSettings):
@@ -134,7 +160,17 @@ class NodeAgentSettings(ServiceSettings):
     worker_command: str = _own("node_agent", "worker_command", "python -m services.worker",
                                "command that starts a worker (settings passed as DLS_WORKER_* variables)")
     start_timeout_s: float = _own("node_agent", "start_timeout_s", 120.0,
-                                  "a worker that sends no heartbeat within this long failed to start", gt=0)
+                                  "a worker that sends no READY heartbeat within this long failed to start", gt=0)
+    initial_instances: list[int] = _own("node_agent", "initial_instances", [1],
+                                        "TP degrees of the workers started at boot, on the first free slots "
+                                        "(JSON list)")
+    stop_timeout_s: float = _own("node_agent", "stop_timeout_s", 60.0,
+                                 "a worker still running this long after SIGTERM is killed", gt=0)
+    log_dir: str = _own("node_agent", "log_dir", "runs/logs", "directory of the workers' logs (<instance id>.log)")
+    restart_backoff_s: float = _own("node_agent", "restart_backoff_s", 1.0,
+                                    "delay before restarting a worker that exited unasked; doubles per "
+                                    "consecutive crash", gt=0)
+    restart_backoff_max_s: float = _own("node_agent", "restart_backoff_max_s", 60.0, "longest restart delay", gt=0)
 
 
 SERVICE_SETTINGS: dict[str, type[ServiceSettings]] = {  # service name -> its settings class

@@ -12,6 +12,7 @@
 | ``<p>.stats`` | ``WorkloadStats`` | publish/subscribe |
 | ``<p>.plans`` | ``ReconfigPlan`` | publish/subscribe |
 | ``<p>.plans.ack`` | ``PlanAck`` | publish/subscribe |
+| ``<p>.reconfig.apply`` | ``ApplyConfiguration`` -> ``ApplyConfigurationReply`` | request/reply (operator) |
 """
 
 from __future__ import annotations
@@ -112,6 +113,11 @@ class Subjects:
     @property
     def plans_ack(self) -> str:
         return self._subject("plans", "ack")
+
+    @property
+    def reconfig_apply(self) -> str:
+        """Operator request/reply: publish a plan to a given number of instances per TP degree."""
+        return self._subject("reconfig", "apply")
 
     def __repr__(self) -> str:
         return f"Subjects(prefix={self.prefix!r})"

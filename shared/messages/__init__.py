@@ -6,7 +6,7 @@
 | ``steps`` | scheduler <-> worker | ``step.<instance>``, ``results`` |
 | ``events`` | scheduler/worker -> gateway | ``events.<request id>`` |
 | ``predictor`` | scheduler <-> predictor | ``predict`` (request/reply) |
-| ``control`` | workers, scheduler, reconfigurator, node agents | ``heartbeat``, ``stats``, ``plans``, ``plans.ack`` |
+| ``control`` | workers, scheduler, reconfigurator, node agents, operators | ``heartbeat``, ``stats``, ``plans``, ``plans.ack``, ``reconfig.apply`` |
 
 Structs only, a comment per field, enums for kinds, no logic beyond tiny properties.
 """

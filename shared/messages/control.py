@@ -4,7 +4,9 @@ Workers publish a ``WorkerHeartbeat`` every few seconds (subject ``heartbeat``);
 an instance as gone when no heartbeat arrived within its ``ttl_s``. The scheduler publishes
 ``WorkloadStats`` (subject ``stats``) for the reconfigurator's workload monitor. The reconfigurator
 publishes a ``ReconfigPlan`` (subject ``plans``), mirroring ``services.reconfigurator.core.plan``;
-each node agent answers with a ``PlanAck`` (subject ``plans.ack``).
+each node agent answers with a ``PlanAck`` (subject ``plans.ack``). An operator asks the
+reconfigurator for a given shape with ``ApplyConfiguration`` (request/reply on ``reconfig.apply``);
+the reply names the plan it published.
 """
 
 from __future__ import annotations
@@ -113,3 +115,18 @@ class PlanAck(Message, kw_only=True):
     stopped_instance_ids: list[str] = []  # instances it stopped
     detail: str = ""  # what failed, when something did
     acked_at: float  # unix time (s) of the answer
+
+
+class ApplyConfiguration(Message, kw_only=True):
+    """An operator's request: publish a plan that moves the running instances to this shape."""
+
+    instances_by_tp: dict[int, int]  # tp degree -> instances wanted (degrees left out: none)
+    requested_by: str = ""  # who asked (logged with the plan)
+
+
+class ApplyConfigurationReply(Message, kw_only=True):
+    """The reconfigurator's answer to ``ApplyConfiguration``."""
+
+    plan_id: str = ""  # the plan it published; empty when it published none
+    nodes: list[NodePlan] = []  # that plan's per-node keep/stop/start lists
+    error: str | None = None  # why no plan was published (infeasible shape, plan in flight, ...)

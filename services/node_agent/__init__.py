@@ -1,0 +1,1 @@
+"""The node agent: starts, stops and restarts worker processes on one node (see ``agent.py``)."""

@@ -1,0 +1,434 @@
+"""The node agent: starts, stops and restarts the worker processes on one node's GPU slots.
+
+- Boot: one worker per TP degree in ``initial_instances``, each on the first free aligned slot (slot
+  k of degree d is the sorted GPUs ``[k*d, (k+1)*d)``, as the reconfigurator's Stage 2 counts them).
+- ``plans``: the ``NodePlan`` of this node (plans for other nodes are ignored). Stops first
+  (SIGTERM to the worker holding exactly those GPUs, which drains and exits; SIGKILL to its process
+  group after ``stop_timeout_s``), then starts (spawn, wait for its READY heartbeat up to
+  ``start_timeout_s``), then a ``PlanAck`` on ``plans.ack``: APPLIED, PARTIAL (``detail`` says what
+  failed) or FAILED, with the instance ids started and stopped. A plan that arrives while another is
+  being applied is REJECTED.
+- Restarts: a worker that exits without being asked is logged and started again on the same GPUs,
+  under the same instance id (its heartbeat's ``started_at`` changes), after a back-off that doubles
+  per consecutive crash (``restart_backoff_s`` up to ``restart_backoff_max_s``; reset once READY).
+- SIGTERM / SIGINT: every worker is stopped as above, then the agent exits.
+
+A worker is ``worker_command`` (a leading ``python`` is this interpreter) in its own session and
+process group, with the agent's environment plus the connection settings and ``DLS_WORKER_INSTANCE_ID``,
+``DLS_WORKER_NODE``, ``DLS_WORKER_GPU_IDS`` (JSON list) and ``DLS_WORKER_TP``. Its stdout and stderr
+go to ``<log_dir>/<instance id>.log`` (appended across restarts). On a CPU machine the GPU ids are
+emulated slots: nothing here touches a device.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import secrets
+import shlex
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shared.messages import codec
+from shared.messages.control import (
+    InstanceSlot,
+    NodePlan,
+    PlanAck,
+    PlanAckStatus,
+    ReconfigPlan,
+    WorkerHeartbeat,
+    WorkerStatus,
+)
+from shared.settings import NodeAgentSettings
+from shared.subjects import SubjectError, Subjects, check_id
+
+logger = logging.getLogger("dls.node_agent")
+
+
+class AgentError(ValueError):
+    """Settings the agent cannot work with (bad node name, GPUs, command or initial instances)."""
+
+
+# --- pure helpers -----------------------------------------------------------------------------------
+
+
+def worker_argv(command: str, python: str = sys.executable) -> list[str]:
+    """``command`` split like a shell would, a leading ``python`` replaced by this interpreter."""
+    argv = shlex.split(command)
+    if not argv:
+        raise AgentError("worker command is empty (set DLS_NODE_AGENT_WORKER_COMMAND)")
+    return [python, *argv[1:]] if argv[0] == "python" else argv
+
+
+def new_instance_id(node: str, tp: int, gpu_ids: Iterable[int]) -> str:
+    """``<node>-tp<d>-g<first gpu>-<4 hex>``: readable, unique, a valid subject token."""
+    return check_id(f"{node}-tp{tp}-g{min(gpu_ids)}-{secrets.token_hex(2)}", "instance id")
+
+
+def first_free_slot(gpu_ids: Iterable[int], busy_gpu_ids: set[int], tp: int) -> tuple[int, ...] | None:
+    """The first aligned slot of degree ``tp`` (sorted GPUs ``[k*tp, (k+1)*tp)``) with no busy GPU."""
+    gpus = sorted(gpu_ids)
+    for k in range(len(gpus) // tp):
+        slot = tuple(gpus[k * tp : (k + 1) * tp])
+        if not busy_gpu_ids.intersection(slot):
+            return slot
+    return None
+
+
+def initial_slots(gpu_ids: Iterable[int], degrees: Iterable[int]) -> list[tuple[int, ...]]:
+    """Slots of the boot-time workers, in order; ``AgentError`` when they do not fit."""
+    busy: set[int] = set()
+    slots = []
+    for tp in degrees:
+        if tp < 1:
+            raise AgentError(f"initial instance TP degree {tp} must be at least 1")
+        slot = first_free_slot(gpu_ids, busy, tp)
+        if slot is None:
+            raise AgentError(f"initial instances {list(degrees)} do not fit on GPUs {sorted(gpu_ids)}: "
+                             f"no free aligned slot left for TP-{tp}")
+        busy.update(slot)
+        slots.append(slot)
+    return slots
+
+
+def ack_status(num_done: int, problems: list[str]) -> PlanAckStatus:
+    if not problems:
+        return PlanAckStatus.APPLIED
+    return PlanAckStatus.PARTIAL if num_done else PlanAckStatus.FAILED
+
+
+# --- the agent --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Worker:
+    """One worker process slot: an instance id on fixed GPUs, and its current process."""
+
+    instance_id: str
+    tp: int
+    gpu_ids: tuple[int, ...]
+    restartable: bool  # restart it when it exits unasked (plan-started workers: once READY)
+    process: asyncio.subprocess.Process | None = None
+    spawned_at: float = 0.0  # unix time of the current process's spawn
+    stopping: bool = False  # the agent asked it to stop: its exit is expected
+    num_crashes: int = 0  # consecutive unasked exits (reset once READY)
+    status: WorkerStatus | None = None  # from its last heartbeat
+    ready: asyncio.Event = field(default_factory=asyncio.Event)  # READY heartbeat of the current process
+    watcher: asyncio.Task | None = None  # waits for the current process to exit (and restarts it)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # a restart and a stop never interleave
+
+    def holds(self, slot: InstanceSlot) -> bool:
+        return self.tp == slot.tp and self.gpu_ids == tuple(sorted(slot.gpu_ids))
+
+    def describe(self) -> str:
+        return f"{self.instance_id} (TP-{self.tp} on GPUs {list(self.gpu_ids)})"
+
+
+def describe_slot(slot: InstanceSlot) -> str:
+    return f"TP-{slot.tp} on GPUs {list(slot.gpu_ids)}"
+
+
+class NodeAgent:
+    """Manages the workers of ``settings.node``; ``nc`` is a connected NATS client (set before ``start``)."""
+
+    def __init__(self, settings: NodeAgentSettings, nc, clock: Callable[[], float] = time.time) -> None:
+        self.settings = settings
+        self.nc = nc
+        self.clock = clock
+        try:
+            self.node = check_id(settings.node, "node name")  # it is part of every instance id
+        except SubjectError as exc:
+            raise AgentError(str(exc)) from None
+        if not settings.gpu_ids or len(set(settings.gpu_ids)) != len(settings.gpu_ids):
+            raise AgentError(f"GPU ids {settings.gpu_ids} must be a non-empty list without repeats")
+        self.gpu_ids = tuple(sorted(settings.gpu_ids))
+        self.argv = worker_argv(settings.worker_command)
+        self.boot_slots = initial_slots(self.gpu_ids, settings.initial_instances)
+        self.log_dir = Path(settings.log_dir)
+        self.subjects = Subjects(settings.subject_prefix)
+        self.workers: dict[str, Worker] = {}  # instance id -> worker (running, starting or awaiting restart)
+        self.applying: str | None = None  # id of the plan being applied
+        self.num_restarts = 0
+        self.num_malformed = 0
+        self._closing = False
+        self._plan_task: asyncio.Task | None = None
+        self._subscriptions: list = []
+
+    # --- lifecycle -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._subscriptions.append(await self.nc.subscribe(self.subjects.heartbeat, cb=self._on_heartbeat))
+        self._subscriptions.append(await self.nc.subscribe(self.subjects.plans, cb=self._on_plan))
+        for slot in self.boot_slots:
+            worker = Worker(new_instance_id(self.node, len(slot), slot), len(slot), slot, restartable=True)
+            self.workers[worker.instance_id] = worker
+            try:
+                await self._spawn(worker)
+            except OSError as exc:
+                raise AgentError(f"cannot run the worker command {shlex.join(self.argv)}: {exc}") from None
+        logger.info("node agent %s up: GPUs %s, workers %s, command %s", self.node, list(self.gpu_ids),
+                    [w.describe() for w in self.workers.values()], shlex.join(self.argv))
+
+    async def shutdown(self) -> None:
+        """Stop taking plans, stop every worker (SIGTERM, then SIGKILL after ``stop_timeout_s``)."""
+        self._closing = True
+        for subscription in self._subscriptions:
+            await subscription.unsubscribe()
+        self._subscriptions.clear()
+        if self._plan_task is not None and not self._plan_task.done():
+            self._plan_task.cancel()
+            await asyncio.gather(self._plan_task, return_exceptions=True)
+        workers = list(self.workers.values())
+        await asyncio.gather(*(self._stop(w) for w in workers))
+        self.workers.clear()
+        logger.info("node agent %s stopped %d workers", self.node, len(workers))
+
+    # --- processes -------------------------------------------------------------------------------
+
+    def worker_env(self, worker: Worker) -> dict[str, str]:
+        """The agent's environment, its connection settings, and the worker's own variables."""
+        s = self.settings
+        env = dict(os.environ)
+        env.update({
+            "DLS_NATS_URL": s.nats_url,
+            "DLS_REDIS_URL": s.redis_url,
+            "DLS_SUBJECT_PREFIX": s.subject_prefix,
+            "DLS_REDIS_KEY_PREFIX": s.redis_key_prefix,
+            "DLS_MAX_PAYLOAD_BYTES": str(s.max_payload_bytes),
+            "DLS_LOG_LEVEL": s.log_level,
+            "DLS_WORKER_INSTANCE_ID": worker.instance_id,
+            "DLS_WORKER_NODE": self.node,
+            "DLS_WORKER_GPU_IDS": json.dumps(list(worker.gpu_ids)),
+            "DLS_WORKER_TP": str(worker.tp),
+        })
+        if s.otel_endpoint:
+            env["DLS_OTEL_ENDPOINT"] = s.otel_endpoint
+        return env
+
+    def log_path(self, worker: Worker) -> Path:
+        return self.log_dir / f"{worker.instance_id}.log"
+
+    async def _spawn(self, worker: Worker) -> None:
+        path = self.log_path(worker)
+        with path.open("ab") as log:
+            log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} node agent {self.node}: starting "
+                      f"{worker.describe()}: {shlex.join(self.argv)}\n".encode())
+            log.flush()
+            # NOTE: a session of its own, so a Ctrl-C at the agent's terminal reaches only the agent, which
+            # then stops the workers in order; and the worker's whole process group can be killed.
+            worker.process = await asyncio.create_subprocess_exec(
+                *self.argv, env=self.worker_env(worker), stdin=asyncio.subprocess.DEVNULL, stdout=log,
+                stderr=asyncio.subprocess.STDOUT, start_new_session=True,
+            )
+        worker.spawned_at = self.clock()
+        worker.ready.clear()
+        worker.status = None
+        worker.watcher = asyncio.create_task(self._watch(worker, worker.process), name=f"watch {worker.instance_id}")
+        logger.info("started %s as pid %d (log %s)", worker.describe(), worker.process.pid, path)
+
+    async def _watch(self, worker: Worker, process: asyncio.subprocess.Process) -> None:
+        """Wait for ``process`` to exit; restart the worker when it was not asked to stop."""
+        code = await process.wait()
+        if worker.stopping or self._closing:
+            return
+        if not worker.restartable:
+            logger.warning("%s exited with code %s before it was READY (log %s)", worker.describe(), code,
+                           self.log_path(worker))
+            return
+        worker.num_crashes += 1
+        delay = min(self.settings.restart_backoff_max_s, self.settings.restart_backoff_s * 2 ** (worker.num_crashes - 1))
+        logger.warning("%s exited unasked with code %s (crash %d in a row; log %s); restarting in %.1f s",
+                       worker.describe(), code, worker.num_crashes, self.log_path(worker), delay)
+        await asyncio.sleep(delay)
+        async with worker.lock:
+            if worker.stopping or self._closing or self.workers.get(worker.instance_id) is not worker:
+                return
+            self.num_restarts += 1
+            await self._spawn(worker)
+
+    async def _stop(self, worker: Worker) -> None:
+        """SIGTERM (the worker drains and exits), SIGKILL to its process group after ``stop_timeout_s``."""
+        worker.stopping = True  # from now on its watcher restarts nothing
+        async with worker.lock:  # a restart in progress finishes first, so this stops the latest process
+            process = worker.process
+            if process is not None and process.returncode is None:
+                _signal(process.pid, signal.SIGTERM, group=False)
+                try:
+                    await asyncio.wait_for(process.wait(), self.settings.stop_timeout_s)
+                except TimeoutError:
+                    logger.warning("%s still running %g s after SIGTERM: killing it", worker.describe(),
+                                   self.settings.stop_timeout_s)
+                    _signal(process.pid, signal.SIGKILL, group=True)
+                    await process.wait()
+            if process is not None:
+                _signal(process.pid, signal.SIGKILL, group=True)  # whatever it left behind in its group
+                logger.info("stopped %s (exit code %s)", worker.describe(), process.returncode)
+        if worker.watcher is not None:
+            worker.watcher.cancel()  # it may be sleeping out a restart back-off
+
+    async def _start(self, slot: InstanceSlot) -> tuple[str | None, str | None]:
+        """Spawn a worker on ``slot`` and wait for it to be READY: (instance id, None) or (None, problem)."""
+        gpu_ids = tuple(sorted(slot.gpu_ids))
+        worker = Worker(new_instance_id(self.node, slot.tp, gpu_ids), slot.tp, gpu_ids, restartable=False)
+        self.workers[worker.instance_id] = worker
+        try:
+            await self._spawn(worker)
+        except OSError as exc:
+            del self.workers[worker.instance_id]
+            return None, f"start {describe_slot(slot)}: cannot run {shlex.join(self.argv)} ({exc})"
+        problem = await self._wait_ready(worker)
+        if problem is None:
+            worker.restartable = True
+            return worker.instance_id, None
+        await self._stop(worker)
+        self.workers.pop(worker.instance_id, None)
+        return None, f"start {describe_slot(slot)}: {worker.instance_id} {problem} (log {self.log_path(worker)})"
+
+    async def _wait_ready(self, worker: Worker) -> str | None:
+        ready = asyncio.ensure_future(worker.ready.wait())
+        exited = asyncio.ensure_future(worker.process.wait())
+        done, pending = await asyncio.wait({ready, exited}, timeout=self.settings.start_timeout_s,
+                                           return_when=asyncio.FIRST_COMPLETED)
+        for task in pending:
+            task.cancel()
+        if exited in done:
+            return f"exited with code {worker.process.returncode} before it was READY"
+        if ready not in done:
+            return f"sent no READY heartbeat within {self.settings.start_timeout_s:g} s"
+        return None
+
+    # --- messages --------------------------------------------------------------------------------
+
+    async def _on_heartbeat(self, msg) -> None:
+        try:
+            beat = codec.decode(WorkerHeartbeat, msg.data, self.settings.max_payload_bytes)
+        except codec.CodecError as exc:
+            self.num_malformed += 1
+            logger.debug("ignoring a malformed heartbeat: %s", exc)
+            return
+        worker = self.workers.get(beat.instance_id)
+        if beat.node != self.node or worker is None:
+            return
+        if beat.started_at and beat.started_at < worker.spawned_at - 1.0:
+            return  # a late heartbeat of the process before a restart
+        worker.status = beat.status
+        if beat.status == WorkerStatus.READY and not worker.ready.is_set():
+            worker.ready.set()
+            worker.num_crashes = 0
+            logger.info("%s is READY", worker.describe())
+
+    async def _on_plan(self, msg) -> None:
+        try:
+            plan = codec.decode(ReconfigPlan, msg.data, self.settings.max_payload_bytes)
+        except codec.CodecError as exc:
+            self.num_malformed += 1
+            logger.error("dropping a malformed plan: %s", exc)
+            return
+        node_plan = next((n for n in plan.nodes if n.node == self.node), None)
+        if node_plan is None:
+            return  # a plan for other nodes
+        if self._closing or self.applying is not None:
+            reason = "the agent is shutting down" if self._closing else f"plan {self.applying} is being applied"
+            await self._ack(plan.plan_id, PlanAckStatus.REJECTED, detail=reason)
+            return
+        self.applying = plan.plan_id
+        self._plan_task = asyncio.create_task(self._run_plan(plan.plan_id, node_plan), name=f"plan {plan.plan_id}")
+
+    async def _run_plan(self, plan_id: str, node_plan: NodePlan) -> None:
+        try:
+            started, stopped, problems = await self.apply(node_plan)
+            status = ack_status(len(started) + len(stopped), problems)
+            await self._ack(plan_id, status, started, stopped, "; ".join(problems))
+        except asyncio.CancelledError:
+            await self._ack(plan_id, PlanAckStatus.PARTIAL, detail="the agent shut down while applying the plan")
+            raise
+        except Exception as exc:  # noqa: BLE001 (the reconfigurator must get an answer)
+            logger.exception("plan %s failed", plan_id)
+            await self._ack(plan_id, PlanAckStatus.FAILED, detail=f"{type(exc).__name__}: {exc}")
+        finally:
+            self.applying = None
+
+    async def apply(self, node_plan: NodePlan) -> tuple[list[str], list[str], list[str]]:
+        """Stops, then starts: (started instance ids, stopped instance ids, problems)."""
+        problems: list[str] = []
+        to_stop = []
+        for slot in node_plan.stop:
+            worker = next((w for w in self.workers.values() if w.holds(slot) and not w.stopping), None)
+            if worker is None:
+                problems.append(f"stop {describe_slot(slot)}: no worker holds exactly these GPUs")
+            else:
+                to_stop.append(worker)
+        for slot in node_plan.keep:
+            if not any(w.holds(slot) for w in self.workers.values()):
+                logger.warning("plan keeps %s, but no worker holds it", describe_slot(slot))
+        await asyncio.gather(*(self._stop(w) for w in to_stop))
+        for worker in to_stop:
+            self.workers.pop(worker.instance_id, None)
+        startable = self._startable(node_plan.start, problems)
+        outcomes = await asyncio.gather(*(self._start(slot) for slot in startable))
+        problems.extend(problem for _, problem in outcomes if problem)
+        started = [instance_id for instance_id, _ in outcomes if instance_id]
+        return started, [w.instance_id for w in to_stop], problems
+
+    def _startable(self, slots: list[InstanceSlot], problems: list[str]) -> list[InstanceSlot]:
+        """The slots that can be started; a problem for each other one."""
+        busy = {gpu for w in self.workers.values() for gpu in w.gpu_ids}
+        startable = []
+        for slot in slots:
+            gpus = set(slot.gpu_ids)
+            if slot.tp < 1 or len(slot.gpu_ids) != slot.tp or len(gpus) != slot.tp:
+                problems.append(f"start {describe_slot(slot)}: a TP-{slot.tp} instance needs {slot.tp} distinct GPUs")
+            elif not gpus <= set(self.gpu_ids):
+                problems.append(f"start {describe_slot(slot)}: GPUs {sorted(gpus - set(self.gpu_ids))} are not "
+                                f"managed by this agent (it has {list(self.gpu_ids)})")
+            elif gpus & busy:
+                problems.append(f"start {describe_slot(slot)}: GPUs {sorted(gpus & busy)} are in use")
+            else:
+                busy |= gpus
+                startable.append(slot)
+        return startable
+
+    async def _ack(self, plan_id: str, status: PlanAckStatus, started: Iterable[str] = (),
+                   stopped: Iterable[str] = (), detail: str = "") -> None:
+        ack = PlanAck(plan_id=plan_id, node=self.node, status=status, started_instance_ids=list(started),
+                      stopped_instance_ids=list(stopped), detail=detail, acked_at=self.clock())
+        await self.nc.publish(self.subjects.plans_ack, codec.encode(ack, self.settings.max_payload_bytes))
+        log = logger.info if status == PlanAckStatus.APPLIED else logger.warning
+        log("plan %s: %s (started %s, stopped %s)%s", plan_id, status.name, ack.started_instance_ids,
+            ack.stopped_instance_ids, f": {detail}" if detail else "")
+
+
+def _signal(pid: int, sig: signal.Signals, group: bool) -> None:
+    try:
+        if group:
+            os.killpg(pid, sig)  # the worker leads its own process group (start_new_session)
+        else:
+            os.kill(pid, sig)
+    except ProcessLookupError:
+        pass  # already gone
+
+
+async def serve(settings: NodeAgentSettings) -> None:
+    """Run until SIGTERM or SIGINT, then stop every worker."""
+    import nats
+
+    agent = NodeAgent(settings, None)  # bad settings fail before anything starts
+    agent.nc = await nats.connect(settings.nats_url.split(","), max_reconnect_attempts=-1,
+                                  name=f"dls-node-agent-{settings.node}")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await agent.start()
+        await stop.wait()
+    finally:
+        await agent.shutdown()
+        await agent.nc.drain()

@@ -1,0 +1,17 @@
+"""``python -m services.predictor``: the predictor service, settings from ``DLS_PREDICTOR_*`` (shared/README.md)."""
+
+import asyncio
+import logging
+
+from services.predictor.service import serve
+from shared.settings import PredictorSettings
+
+
+def main() -> None:
+    settings = PredictorSettings()
+    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    asyncio.run(serve(settings))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,440 @@
+"""The reconfigurator service: a periodic loop around the core ``Reconfigurator`` (``core/reconfigurator.py``).
+
+- ``stats``: each ``WorkloadStats`` arrival goes to the core's workload monitor (``observe``).
+- ``heartbeat``: the workers' leases are the running configuration: every STARTING or READY instance
+  whose lease has not run out is an ``Instance(node, tp, gpu_ids)`` of the cluster's placement
+  (DRAINING and STOPPING ones are on their way out).
+- Every ``interval_s``: the core's ``step`` on the current cluster (Stage 1, Stage 2, trigger rule, in
+  a thread so the loop keeps receiving). A plan the core says to apply is published on ``plans`` as a
+  ``ReconfigPlan`` (with ``enabled = false`` it is only logged).
+- ``plans.ack``: once every node with something to stop or start has answered its ``PlanAck``, the
+  plan is done and the core's ``acknowledge`` lets the next one go. Until then (or ``ack_timeout_s``),
+  no other plan is published.
+- ``reconfig.apply`` (request/reply, the operator path, ``dls reconfig apply``): an
+  ``ApplyConfiguration`` names the instances wanted per TP degree; the core's Stage 2 places them
+  with the fewest changes to the running configuration and the plan is published whatever
+  ``enabled`` says. The periodic loop may later move away from that shape again: run with
+  ``enabled = false`` to keep a manual configuration.
+
+The cluster (nodes and their GPUs) comes from the ``cluster`` setting (see ``parse_cluster_spec``) or,
+when unset, from the nodes and GPUs seen in heartbeats.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import signal
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.reconfigurator.core.files import SpecError, parse_cluster
+from services.reconfigurator.core.monitor import ArrivalEvent, MonitorSettings
+from services.reconfigurator.core.plan import PlacementPlan
+from services.reconfigurator.core.plan import ReconfigPlan as CorePlan
+from services.reconfigurator.core.planner import PlannerOptions
+from services.reconfigurator.core.reconfigurator import Reconfigurator, StepResult
+from services.reconfigurator.core.solver import SolverOptions
+from services.reconfigurator.core.spec import Cluster, Instance
+from services.reconfigurator.core.stage1 import Stage1Options
+from services.reconfigurator.core.stage2 import Stage2Options, solve_stage2
+from shared.messages import codec
+from shared.messages.control import (
+    ApplyConfiguration,
+    ApplyConfigurationReply,
+    InstanceSlot,
+    NodePlan,
+    PlanAck,
+    PlanAckStatus,
+    ReconfigPlan,
+    WorkerHeartbeat,
+    WorkerStatus,
+    WorkloadStats,
+)
+from shared.profiles import LatencyProfile
+from shared.settings import ReconfiguratorSettings
+from shared.subjects import Subjects
+
+logger = logging.getLogger("dls.reconfigurator")
+
+CLUSTER_SETTING = "DLS_RECONFIGURATOR_CLUSTER"
+_LIVE = (WorkerStatus.STARTING, WorkerStatus.READY)  # statuses that hold their GPUs in the configuration
+
+
+# --- conversions and the cluster spec --------------------------------------------------------------
+
+
+def parse_cluster_spec(spec: str, profile_tp_degrees: tuple[int, ...]) -> Cluster:
+    """The cluster named by the ``cluster`` setting: inline JSON, or the path of a JSON file.
+
+    Two forms: ``{"nodes": {"local": 4}}`` (node -> number of GPUs, ids 0..n-1, or -> list of GPU
+    ids), or the cluster file of ``dls reconfig solve`` (``{"nodes": [{"name": ..., "gpu_ids": [...]}]}``).
+    Both may add ``tp_degrees`` (default: the profile's degrees that fit on a node). A ``placement``
+    is refused: the running instances come from heartbeats. ``SpecError`` names what is wrong.
+    """
+    text, source = spec.strip(), CLUSTER_SETTING
+    if not text.startswith("{"):
+        source = text
+        try:
+            text = Path(text).read_text()
+        except OSError as exc:
+            raise SpecError(f"{source}: cannot read the cluster spec ({exc.strerror}); give a JSON object "
+                            'such as {"nodes": {"local": 4}} or the path of a JSON file') from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise SpecError(f"{source}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise SpecError(f"{source}: expected a JSON object with 'nodes'")
+    if "placement" in data:
+        raise SpecError(f"{source}: placement: leave it out, the running instances come from heartbeats")
+    nodes = data.get("nodes")
+    if isinstance(nodes, dict):  # the short form: node -> GPU count or GPU ids
+        data["nodes"] = [
+            {"name": name, "gpu_ids": list(range(gpus)) if isinstance(gpus, int) else gpus}
+            for name, gpus in nodes.items()
+        ]
+    return parse_cluster(data, profile_tp_degrees, source)
+
+
+def arrival_event(arrival) -> ArrivalEvent:
+    """A wire ``Arrival`` as the monitor's ``ArrivalEvent`` (the two mirror each other)."""
+    return ArrivalEvent(time_s=arrival.time_s, prompt_tokens=arrival.prompt_tokens,
+                        output_tokens=arrival.output_tokens, slo_s=arrival.slo_s)
+
+
+def wire_node_plans(placement: PlacementPlan) -> list[NodePlan]:
+    def slots(instances: tuple[Instance, ...]) -> list[InstanceSlot]:
+        return [InstanceSlot(tp=i.tp, gpu_ids=list(i.gpu_ids)) for i in instances]
+
+    return [NodePlan(node=n.node, keep=slots(n.keep), stop=slots(n.stop), start=slots(n.start))
+            for n in placement.nodes]
+
+
+def wire_plan(plan: CorePlan, created_at: float) -> ReconfigPlan:
+    """The core's plan (Stage 1 capacity + Stage 2 placement) as published on ``plans``."""
+    capacity = plan.capacity
+    instances_by_tp = {tp: n for tp, n in sorted(capacity.instances_by_tp.items()) if n}
+    return ReconfigPlan(
+        plan_id=plan.plan_id,
+        created_at=created_at,
+        nodes=wire_node_plans(plan.placement),
+        instances_by_tp=instances_by_tp,
+        batch_by_tp={tp: capacity.batch_by_tp[tp] for tp in instances_by_tp if tp in capacity.batch_by_tp},
+        avg_threshold=capacity.avg_threshold,
+        fallback_reason=capacity.fallback_reason,
+    )
+
+
+def operator_plan(plan_id: str, instances_by_tp: dict[int, int], placement: PlacementPlan,
+                  created_at: float) -> ReconfigPlan:
+    """An operator's shape placed by Stage 2 (no Stage 1: no batch sizes or objective)."""
+    return ReconfigPlan(plan_id=plan_id, created_at=created_at, nodes=wire_node_plans(placement),
+                        instances_by_tp={tp: n for tp, n in sorted(instances_by_tp.items()) if n})
+
+
+# --- the service ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Lease:
+    """A running instance as its last heartbeat described it."""
+
+    node: str
+    tp: int
+    gpu_ids: tuple[int, ...]
+    status: WorkerStatus
+    expires_at: float  # on the service's clock: receipt + ttl (immune to clock skew between hosts)
+
+
+@dataclass
+class AwaitedPlan:
+    """A published plan waiting for the acks of the nodes it changes."""
+
+    plan_id: str
+    issued_at: float
+    node_ids: set[str]  # nodes still to answer
+    operator: bool  # published on an operator's request (the core does not track it)
+    node_to_status: dict[str, PlanAckStatus] = field(default_factory=dict)  # node -> its answer
+
+
+def plan_ids() -> Iterator[str]:
+    """Unique across restarts of the service: ``plan-<run token>-<n>``."""
+    run = uuid.uuid4().hex[:6]
+    return (f"plan-{run}-{n}" for n in itertools.count(1))
+
+
+class ReconfiguratorService:
+    """Feeds the core from ``stats`` and ``heartbeat``, publishes its plans, collects the acks."""
+
+    def __init__(self, settings: ReconfiguratorSettings, nc, profile: LatencyProfile,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.settings = settings
+        self.nc = nc
+        self.profile = profile
+        self.clock = clock
+        self.subjects = Subjects(settings.subject_prefix)
+        self.configured = parse_cluster_spec(settings.cluster, profile.tp_degrees) if settings.cluster else None
+        self.plan_ids = plan_ids()
+        self.stage2 = Stage2Options(SolverOptions(time_limit_s=settings.solver_time_limit_s, mip_rel_gap=0.0))
+        self.core = Reconfigurator(
+            profile, clock,
+            MonitorSettings(window_s=settings.window_s, min_window_s=min(10.0, settings.window_s)),
+            PlannerOptions(stage1=Stage1Options(solver=SolverOptions(time_limit_s=settings.solver_time_limit_s)),
+                           stage2=self.stage2),
+            margin=settings.improvement_margin, ack_timeout_s=settings.ack_timeout_s, plan_ids=self.plan_ids,
+        )
+        self.leases: dict[str, Lease] = {}  # instance id -> its lease
+        self.node_to_seen_gpu_ids: dict[str, set[int]] = {}  # node -> GPUs its instances held (default cluster)
+        self.awaited: dict[str, AwaitedPlan] = {}  # plan id -> plan waiting for acks
+        self.num_arrivals = 0
+        self.num_plans_published = 0
+        self.num_plans_completed = 0  # every node it changes acknowledged it
+        self.num_malformed = 0
+        self._planning = asyncio.Lock()  # one step or operator plan at a time
+        self._held_arrivals: list[ArrivalEvent] | None = None  # arrivals held while the core steps in a thread
+        self._warned: set[str] = set()  # instance ids already warned about
+        self._subscriptions: list = []
+        self._tasks: list[asyncio.Task] = []
+
+    # --- lifecycle -------------------------------------------------------------------------------
+
+    async def start(self, periodic: bool = True) -> None:
+        for subject, handler in ((self.subjects.stats, self._on_stats), (self.subjects.heartbeat, self._on_heartbeat),
+                                 (self.subjects.plans_ack, self._on_ack),
+                                 (self.subjects.reconfig_apply, self._on_apply)):
+            self._subscriptions.append(await self.nc.subscribe(subject, cb=handler))
+        if periodic:
+            self._tasks.append(asyncio.create_task(self._periodic(), name="reconfigure"))
+        cluster = "heartbeats" if self.configured is None else f"{len(self.configured.nodes)} configured nodes"
+        logger.info("reconfigurator up: every %.0f s, cluster from %s, %s", self.settings.interval_s, cluster,
+                    "publishing plans" if self.settings.enabled else "observe only")
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for subscription in self._subscriptions:
+            await subscription.unsubscribe()
+        self._subscriptions.clear()
+
+    async def _periodic(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.interval_s)
+            try:
+                await self.step()
+            except Exception:  # noqa: BLE001 (a failed solve must not end the loop; the next period retries)
+                logger.exception("reconfiguration step failed")
+
+    # --- inputs ----------------------------------------------------------------------------------
+
+    def _decode(self, type_, data: bytes):
+        try:
+            return codec.decode(type_, data, self.settings.max_payload_bytes)
+        except codec.CodecError as exc:
+            self.num_malformed += 1
+            logger.error("dropping a malformed message: %s", exc)
+            return None
+
+    async def _on_stats(self, msg) -> None:
+        stats = self._decode(WorkloadStats, msg.data)
+        if stats is None:
+            return
+        events = [arrival_event(a) for a in stats.arrivals]
+        self.num_arrivals += len(events)
+        if self._held_arrivals is not None:  # the core is stepping in a thread: feed them afterwards
+            self._held_arrivals.extend(events)
+            return
+        for event in events:
+            self.core.observe(event)
+
+    async def _on_heartbeat(self, msg) -> None:
+        beat = self._decode(WorkerHeartbeat, msg.data)
+        if beat is None:
+            return
+        if beat.status == WorkerStatus.STOPPING:
+            self.leases.pop(beat.instance_id, None)
+        else:
+            self.leases[beat.instance_id] = Lease(beat.node, beat.tp, tuple(sorted(beat.gpu_ids)), beat.status,
+                                                  self.clock() + beat.ttl_s)
+        self.node_to_seen_gpu_ids.setdefault(beat.node, set()).update(beat.gpu_ids)
+
+    async def _on_ack(self, msg) -> None:
+        ack = self._decode(PlanAck, msg.data)
+        if ack is None:
+            return
+        awaited = self.awaited.get(ack.plan_id)
+        if awaited is None:
+            logger.info("ack from %s for plan %s, which is not awaited (done or timed out): %s", ack.node,
+                        ack.plan_id, ack.status.name)
+            return
+        awaited.node_to_status[ack.node] = ack.status
+        awaited.node_ids.discard(ack.node)
+        log = logger.info if ack.status == PlanAckStatus.APPLIED else logger.warning
+        log("plan %s on %s: %s (started %s, stopped %s)%s", ack.plan_id, ack.node, ack.status.name,
+            ack.started_instance_ids, ack.stopped_instance_ids, f": {ack.detail}" if ack.detail else "")
+        if not awaited.node_ids:
+            self._complete(awaited)
+
+    def _complete(self, awaited: AwaitedPlan) -> None:
+        del self.awaited[awaited.plan_id]
+        self.core.acknowledge(awaited.plan_id)  # False for operator plans: the core never issued them
+        self.num_plans_completed += 1
+        outcome = {node: status.name for node, status in sorted(awaited.node_to_status.items())}
+        logger.info("plan %s answered by every node it changes: %s", awaited.plan_id, outcome or "nothing to do")
+
+    # --- the configuration -----------------------------------------------------------------------
+
+    def cluster(self) -> Cluster | None:
+        """Nodes, GPUs and the running instances now; None while no node is known."""
+        base = self.configured or self._seen_cluster()
+        if base is None:
+            return None
+        return base.with_placement(tuple(sorted(self._placement(base))))
+
+    def _seen_cluster(self) -> Cluster | None:
+        nodes = [{"name": node, "gpu_ids": sorted(gpus)} for node, gpus in sorted(self.node_to_seen_gpu_ids.items())
+                 if gpus]
+        return parse_cluster({"nodes": nodes}, self.profile.tp_degrees, "GPUs seen in heartbeats") if nodes else None
+
+    def _placement(self, cluster: Cluster) -> set[Instance]:
+        now = self.clock()
+        for instance_id in [i for i, lease in self.leases.items() if lease.expires_at <= now]:
+            del self.leases[instance_id]  # silent for longer than its lease: gone
+        name_to_gpus = {n.name: set(n.gpu_ids) for n in cluster.nodes}
+        placement = set()
+        for instance_id, lease in self.leases.items():
+            if lease.status not in _LIVE:
+                continue
+            problem = self._misfit(lease, name_to_gpus, cluster.tp_degrees)
+            if problem is None:
+                placement.add(Instance(lease.node, lease.tp, lease.gpu_ids))
+            elif instance_id not in self._warned:
+                self._warned.add(instance_id)
+                logger.warning("instance %s left out of the configuration: %s", instance_id, problem)
+        return placement
+
+    @staticmethod
+    def _misfit(lease: Lease, name_to_gpus: dict[str, set[int]], tp_degrees: tuple[int, ...]) -> str | None:
+        if lease.node not in name_to_gpus:
+            return f"node {lease.node!r} is not in the cluster spec"
+        if lease.tp not in tp_degrees:
+            return f"TP degree {lease.tp} is not planned for (degrees {list(tp_degrees)})"
+        if len(lease.gpu_ids) != lease.tp or not set(lease.gpu_ids) <= name_to_gpus[lease.node]:
+            return f"GPUs {list(lease.gpu_ids)} are not {lease.tp} GPUs of node {lease.node!r}"
+        return None
+
+    def _expire_awaited(self) -> None:
+        now = self.clock()
+        for awaited in [a for a in self.awaited.values() if now - a.issued_at >= self.settings.ack_timeout_s]:
+            del self.awaited[awaited.plan_id]
+            logger.warning("plan %s timed out waiting for acks from %s", awaited.plan_id, sorted(awaited.node_ids))
+
+    def _in_flight_reason(self) -> str | None:
+        self._expire_awaited()
+        if not self.awaited:
+            return None
+        plan = next(iter(self.awaited.values()))
+        return f"plan {plan.plan_id} is still waiting for acknowledgement from {sorted(plan.node_ids)}"
+
+    # --- plans -----------------------------------------------------------------------------------
+
+    async def step(self) -> StepResult | None:
+        """One period: the core's step on the current cluster; publish the plan it says to apply."""
+        async with self._planning:
+            waiting = self._in_flight_reason()
+            if waiting is not None:
+                logger.info("no reconfiguration this period: %s", waiting)
+                return None
+            cluster = self.cluster()
+            if cluster is None:
+                logger.info("no reconfiguration this period: no node known yet (set %s or start workers)",
+                            CLUSTER_SETTING)
+                return None
+            self._held_arrivals = []
+            try:
+                result = await asyncio.to_thread(self.core.step, cluster)
+            finally:
+                held, self._held_arrivals = self._held_arrivals, None
+                for event in held:
+                    self.core.observe(event)
+            plan = result.plan_to_apply
+            logger.info("reconfiguration: %s (%s)", "apply " + plan.plan_id if plan else "keep", result.decision.reason)
+            if plan is not None:
+                if self.settings.enabled:
+                    await self._publish(wire_plan(plan, self.clock()), operator=False)
+                else:
+                    # Observe only: nothing will acknowledge the plan, so free the core's in-flight slot now.
+                    self.core.acknowledge(plan.plan_id)
+                    logger.info("observe only: plan %s not published (%s)", plan.plan_id, plan.capacity.instances_by_tp)
+            return result
+
+    async def apply(self, request: ApplyConfiguration) -> ApplyConfigurationReply:
+        """The operator path: place ``request.instances_by_tp`` with Stage 2 and publish it."""
+        async with self._planning:
+            waiting = self._in_flight_reason()
+            if waiting is not None:
+                return ApplyConfigurationReply(error=waiting)
+            cluster = self.cluster()
+            if cluster is None:
+                return ApplyConfigurationReply(error=f"no node known yet: set {CLUSTER_SETTING} or start workers")
+            bad = {tp: n for tp, n in request.instances_by_tp.items() if n < 0}
+            if bad:
+                return ApplyConfigurationReply(error=f"negative instance counts: {bad}")
+            try:
+                placement = await asyncio.to_thread(solve_stage2, request.instances_by_tp, cluster, self.stage2)
+            except Exception as exc:  # noqa: BLE001 (Stage2Infeasible, solver failures: the operator reads why)
+                return ApplyConfigurationReply(error=f"{type(exc).__name__}: {exc}")
+            plan = operator_plan(next(self.plan_ids), request.instances_by_tp, placement, self.clock())
+            logger.info("operator plan %s%s: %s", plan.plan_id,
+                        f" (requested by {request.requested_by})" if request.requested_by else "", plan.instances_by_tp)
+            await self._publish(plan, operator=True)
+            return ApplyConfigurationReply(plan_id=plan.plan_id, nodes=plan.nodes)
+
+    async def _on_apply(self, msg) -> None:
+        request = self._decode(ApplyConfiguration, msg.data)
+        reply = ApplyConfigurationReply(error="malformed ApplyConfiguration") if request is None else None
+        if reply is None:
+            try:
+                reply = await self.apply(request)
+            except Exception as exc:  # noqa: BLE001 (answer the operator whatever happened)
+                logger.exception("operator plan failed")
+                reply = ApplyConfigurationReply(error=f"{type(exc).__name__}: {exc}")
+        if msg.reply:
+            await msg.respond(codec.encode(reply, self.settings.max_payload_bytes))
+
+    async def _publish(self, plan: ReconfigPlan, operator: bool) -> None:
+        changed = {n.node for n in plan.nodes if n.stop or n.start}
+        awaited = AwaitedPlan(plan.plan_id, self.clock(), changed, operator)
+        self.awaited[plan.plan_id] = awaited  # before publishing: an ack may come back at once
+        await self.nc.publish(self.subjects.plans, codec.encode(plan, self.settings.max_payload_bytes))
+        self.num_plans_published += 1
+        logger.info("published plan %s: %s, changing nodes %s", plan.plan_id, plan.instances_by_tp, sorted(changed))
+        if not changed:
+            self._complete(awaited)
+
+
+async def serve(settings: ReconfiguratorSettings) -> None:
+    """Run until SIGTERM or SIGINT."""
+    import nats
+
+    service = ReconfiguratorService(settings, None, LatencyProfile.load(settings.profile))  # bad files fail first
+    nc = await nats.connect(settings.nats_url.split(","), max_reconnect_attempts=-1, name="dls-reconfigurator")
+    service.nc = nc
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await service.start()
+    try:
+        await stop.wait()
+    finally:
+        await service.stop()
+        await nc.drain()
+        logger.info("reconfigurator stopped: %d arrivals seen, %d plans published, %d completed",
+                    service.num_arrivals, service.num_plans_published, service.num_plans_completed)

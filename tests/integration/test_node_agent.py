@@ -1,0 +1,287 @@
+"""The node agent as a process against a real nats-server, with a FAKE worker command: a small script
+(written into tmp_path) that stands in for ``python -m services.worker``. It publishes READY heartbeats
+with the instance id, TP degree and GPUs the agent gave it, and on SIGTERM publishes DRAINING, then
+STOPPING, and exits. Knobs (environment): FAKE_WORKER_PID_DIR (it records ``<instance id>.<pid>``
+there), FAKE_WORKER_FAIL_TP (exit at once with code 3 when its TP degree is this one),
+FAKE_WORKER_IGNORE_SIGTERM (never exit on SIGTERM: the agent has to kill it)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import nats
+import pytest
+
+from shared.messages import decode, encode
+from shared.messages.control import (
+    InstanceSlot,
+    NodePlan,
+    PlanAck,
+    PlanAckStatus,
+    ReconfigPlan,
+    WorkerHeartbeat,
+    WorkerStatus,
+)
+from shared.subjects import Subjects
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+WAIT_S = 60.0  # generous upper bound on a shared CPU; conditions are polled, not timed
+
+FAKE_WORKER = '''
+"""A fake worker for the node agent's tests (stands in for python -m services.worker)."""
+import asyncio, json, os, signal, sys, time
+
+import nats
+
+from shared.messages import encode
+from shared.messages.control import WorkerHeartbeat, WorkerStatus
+from shared.subjects import Subjects
+
+INSTANCE_ID = os.environ["DLS_WORKER_INSTANCE_ID"]
+TP = int(os.environ["DLS_WORKER_TP"])
+GPU_IDS = json.loads(os.environ["DLS_WORKER_GPU_IDS"])
+NODE = os.environ["DLS_WORKER_NODE"]
+INTERVAL_S = float(os.environ.get("DLS_WORKER_HEARTBEAT_INTERVAL_S", "0.2"))
+
+
+async def main():
+    open(os.path.join(os.environ["FAKE_WORKER_PID_DIR"], f"{INSTANCE_ID}.{os.getpid()}"), "w").close()
+    print(f"fake worker {INSTANCE_ID} tp {TP} gpus {GPU_IDS} pid {os.getpid()}", flush=True)
+    if os.environ.get("FAKE_WORKER_FAIL_TP") == str(TP):
+        print("failing on purpose", flush=True)
+        sys.exit(3)
+    started_at = time.time()
+    nc = await nats.connect(os.environ["DLS_NATS_URL"])
+    subject = Subjects(os.environ["DLS_SUBJECT_PREFIX"]).heartbeat
+    stop = asyncio.Event()
+    if os.environ.get("FAKE_WORKER_IGNORE_SIGTERM"):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    else:
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+
+    async def beat(status):
+        await nc.publish(subject, encode(WorkerHeartbeat(
+            instance_id=INSTANCE_ID, node=NODE, tp=TP, gpu_ids=GPU_IDS, max_batch=4, model="fake", status=status,
+            ttl_s=3 * INTERVAL_S, sent_at=time.time(), started_at=started_at)))
+
+    while not stop.is_set():
+        await beat(WorkerStatus.READY)
+        try:
+            await asyncio.wait_for(stop.wait(), INTERVAL_S)
+        except TimeoutError:
+            pass
+    await beat(WorkerStatus.DRAINING)
+    await beat(WorkerStatus.STOPPING)
+    await nc.flush()
+    await nc.close()
+    print("fake worker drained and stopped", flush=True)
+
+
+asyncio.run(main())
+'''
+
+
+class Cluster:
+    """What the test sees on NATS: heartbeats per instance and plan acks, plus the fake workers' pids."""
+
+    def __init__(self, pid_dir: Path) -> None:
+        self.pid_dir = pid_dir
+        self.statuses: dict[str, list[WorkerStatus]] = defaultdict(list)  # instance id -> statuses in order
+        self.beats: dict[str, WorkerHeartbeat] = {}  # instance id -> last heartbeat
+        self.acks: list[PlanAck] = []
+
+    async def on_heartbeat(self, msg) -> None:
+        beat = decode(WorkerHeartbeat, msg.data)
+        if not self.statuses[beat.instance_id] or self.statuses[beat.instance_id][-1] != beat.status:
+            self.statuses[beat.instance_id].append(beat.status)
+        self.beats[beat.instance_id] = beat
+
+    async def on_ack(self, msg) -> None:
+        self.acks.append(decode(PlanAck, msg.data))
+
+    def ready_ids(self) -> list[str]:
+        return sorted(i for i, beat in self.beats.items() if beat.status == WorkerStatus.READY)
+
+    def pids(self, instance_id: str | None = None) -> list[int]:
+        return sorted(int(p.name.rsplit(".", 1)[1]) for p in self.pid_dir.iterdir()
+                      if instance_id is None or p.name.rsplit(".", 1)[0] == instance_id)
+
+    def ack_for(self, plan_id: str) -> PlanAck | None:
+        return next((a for a in self.acks if a.plan_id == plan_id), None)
+
+
+async def until(condition, what: str, agent: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        assert agent.poll() is None, f"the agent exited while waiting for {what}:\n{log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}; agent log:\n{log.read_text()[-3000:]}"
+        await asyncio.sleep(0.05)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def start_agent(tmp_path: Path, nats_url: str, prefix: str, gpu_ids: list[int], initial: list[int],
+                **extra_env: str) -> tuple[subprocess.Popen, Path]:
+    script = tmp_path / "fake_worker.py"
+    script.write_text(FAKE_WORKER)
+    (tmp_path / "pids").mkdir()
+    env = {
+        **os.environ, "PYTHONPATH": str(REPO), "DLS_NATS_URL": nats_url, "DLS_SUBJECT_PREFIX": prefix,
+        "DLS_NODE_AGENT_NODE": "n1", "DLS_NODE_AGENT_GPU_IDS": json.dumps(gpu_ids),
+        "DLS_NODE_AGENT_INITIAL_INSTANCES": json.dumps(initial),
+        "DLS_NODE_AGENT_WORKER_COMMAND": f"python {script}", "DLS_NODE_AGENT_LOG_DIR": str(tmp_path / "logs"),
+        "DLS_NODE_AGENT_START_TIMEOUT_S": "30", "DLS_NODE_AGENT_STOP_TIMEOUT_S": "20",
+        "DLS_NODE_AGENT_RESTART_BACKOFF_S": "0.1", "DLS_WORKER_HEARTBEAT_INTERVAL_S": "0.2",
+        "FAKE_WORKER_PID_DIR": str(tmp_path / "pids"), **extra_env,
+    }
+    log = tmp_path / "agent.log"
+    agent = subprocess.Popen([sys.executable, "-m", "services.node_agent"], cwd=REPO, env=env,
+                             stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    return agent, log
+
+
+def stop_agent(agent: subprocess.Popen, log: Path) -> int:
+    agent.send_signal(signal.SIGTERM)
+    try:
+        return agent.wait(timeout=WAIT_S)
+    except subprocess.TimeoutExpired:
+        agent.kill()
+        agent.wait()
+        pytest.fail(f"the agent did not exit on SIGTERM:\n{log.read_text()[-3000:]}")
+
+
+def plan(plan_id: str, node: str, stop=(), start=(), keep=()) -> bytes:
+    def slots(pairs):
+        return [InstanceSlot(tp=tp, gpu_ids=list(gpus)) for tp, gpus in pairs]
+
+    return encode(ReconfigPlan(plan_id=plan_id, created_at=time.time(), instances_by_tp={1: 1},
+                               nodes=[NodePlan(node=node, keep=slots(keep), stop=slots(stop), start=slots(start))]))
+
+
+async def watch(nats_url: str, prefix: str, cluster: Cluster):
+    nc = await nats.connect(nats_url)
+    subjects = Subjects(prefix)
+    await nc.subscribe(subjects.heartbeat, cb=cluster.on_heartbeat)
+    await nc.subscribe(subjects.plans_ack, cb=cluster.on_ack)
+    await nc.flush()
+    return nc, subjects
+
+
+def test_boot_plan_restart_and_shutdown(nats_server, unique_prefix, tmp_path):
+    cluster = Cluster(tmp_path / "pids")
+
+    async def main(agent, log):
+        nc, subjects = await watch(nats_server.url, unique_prefix, cluster)
+        await until(lambda: len(cluster.ready_ids()) == 2, "the two initial workers", agent, log)
+        by_gpu = {tuple(cluster.beats[i].gpu_ids): i for i in cluster.ready_ids()}
+        assert set(by_gpu) == {(0,), (1,)}
+        assert by_gpu[(0,)].startswith("n1-tp1-g0-") and by_gpu[(1,)].startswith("n1-tp1-g1-")
+        assert all(cluster.beats[i].tp == 1 and "." not in i for i in by_gpu.values())
+
+        # A plan for another node is ignored; one for n1 is applied; one arriving meanwhile is rejected.
+        await nc.publish(subjects.plans, plan("p-other", "n2", start=[(1, [0])]))
+        await nc.publish(subjects.plans, plan("p-1", "n1", stop=[(1, [1])], start=[(2, [2, 3])], keep=[(1, [0])]))
+        await nc.publish(subjects.plans, plan("p-2", "n1", start=[(1, [1])]))
+        await until(lambda: cluster.ack_for("p-1") is not None, "the ack of p-1", agent, log)
+        applied, rejected = cluster.ack_for("p-1"), cluster.ack_for("p-2")
+        assert applied.status == PlanAckStatus.APPLIED and applied.node == "n1", applied.detail
+        assert applied.stopped_instance_ids == [by_gpu[(1,)]]
+        [tp2_id] = applied.started_instance_ids
+        assert tp2_id.startswith("n1-tp2-g2-") and tp2_id in cluster.ready_ids()
+        assert cluster.beats[tp2_id].gpu_ids == [2, 3] and cluster.beats[tp2_id].tp == 2
+        assert rejected is not None and rejected.status == PlanAckStatus.REJECTED and "p-1" in rejected.detail
+        assert cluster.ack_for("p-other") is None
+        stopped_id = by_gpu[(1,)]
+        assert cluster.statuses[stopped_id][-2:] == [WorkerStatus.DRAINING, WorkerStatus.STOPPING]  # drained
+        await until(lambda: not alive(cluster.pids(stopped_id)[0]), "the stopped worker's exit", agent, log)
+
+        # A worker that dies unasked is restarted on the same GPUs, under the same id.
+        kept_id = by_gpu[(0,)]
+        [first_pid] = cluster.pids(kept_id)
+        first_start = cluster.beats[kept_id].started_at
+        os.kill(first_pid, signal.SIGKILL)
+        await until(lambda: len(cluster.pids(kept_id)) == 2 and cluster.beats[kept_id].started_at != first_start
+                    and cluster.beats[kept_id].status == WorkerStatus.READY, "the restart", agent, log)
+        assert cluster.beats[kept_id].gpu_ids == [0]
+        await nc.close()
+
+    agent, log = start_agent(tmp_path, nats_server.url, unique_prefix, [0, 1, 2, 3], [1, 1])
+    try:
+        asyncio.run(main(agent, log))
+        assert stop_agent(agent, log) == 0, log.read_text()[-3000:]
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()
+    pids = cluster.pids()
+    assert len(pids) == 4  # two boot workers, the TP-2 one, the restart
+    assert not [pid for pid in pids if alive(pid)], "workers outlived the agent"
+    logs = {p.stem for p in (tmp_path / "logs").iterdir()}
+    assert logs == {p.name.rsplit(".", 1)[0] for p in (tmp_path / "pids").iterdir()}
+    assert "drained and stopped" in (tmp_path / "logs" / f"{sorted(logs)[0]}.log").read_text()
+
+
+def test_failed_starts_are_reported_and_stubborn_workers_killed(nats_server, unique_prefix, tmp_path):
+    cluster = Cluster(tmp_path / "pids")
+
+    async def main(agent, log):
+        nc, subjects = await watch(nats_server.url, unique_prefix, cluster)
+        await until(lambda: len(cluster.ready_ids()) == 1, "the initial worker", agent, log)
+        [boot_id] = cluster.ready_ids()
+        await nc.publish(subjects.plans, plan("p-1", "n1", stop=[(1, [2])], start=[(1, [1]), (2, [2, 3]), (1, [7])]))
+        await until(lambda: cluster.ack_for("p-1") is not None, "the ack of p-1", agent, log)
+        ack = cluster.ack_for("p-1")
+        assert ack.status == PlanAckStatus.PARTIAL and ack.stopped_instance_ids == []
+        [started] = ack.started_instance_ids
+        assert started.startswith("n1-tp1-g1-") and started in cluster.beats
+        assert "stop TP-1 on GPUs [2]: no worker holds exactly these GPUs" in ack.detail
+        assert "start TP-2 on GPUs [2, 3]" in ack.detail and "exited with code 3" in ack.detail
+        assert "GPUs [7] are not managed" in ack.detail
+
+        # Nothing to do for n1 is applied at once; a plan that only fails is FAILED.
+        await nc.publish(subjects.plans, plan("p-2", "n1", keep=[(1, [0])]))
+        await until(lambda: cluster.ack_for("p-2") is not None, "the ack of p-2", agent, log)
+        assert cluster.ack_for("p-2").status == PlanAckStatus.APPLIED
+        await nc.publish(subjects.plans, plan("p-3", "n1", start=[(1, [0])]))
+        await until(lambda: cluster.ack_for("p-3") is not None, "the ack of p-3", agent, log)
+        assert cluster.ack_for("p-3").status == PlanAckStatus.FAILED and "in use" in cluster.ack_for("p-3").detail
+        assert boot_id in cluster.ready_ids()
+        await nc.close()
+
+    agent, log = start_agent(tmp_path, nats_server.url, unique_prefix, [0, 1, 2, 3], [1],
+                             FAKE_WORKER_FAIL_TP="2", FAKE_WORKER_IGNORE_SIGTERM="1",
+                             DLS_NODE_AGENT_STOP_TIMEOUT_S="0.5")
+    try:
+        asyncio.run(main(agent, log))
+        assert stop_agent(agent, log) == 0, log.read_text()[-3000:]
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()
+    assert "killing it" in log.read_text()  # they ignored SIGTERM
+    assert not [pid for pid in cluster.pids() if alive(pid)], "workers outlived the agent"
+
+
+def test_bad_settings_fail_at_start_with_a_clear_message(tmp_path):
+    env = {**os.environ, "DLS_NODE_AGENT_GPU_IDS": "[0, 1]", "DLS_NODE_AGENT_INITIAL_INSTANCES": "[2, 1]",
+           "DLS_NODE_AGENT_LOG_DIR": str(tmp_path / "logs")}
+    result = subprocess.run([sys.executable, "-m", "services.node_agent"], cwd=REPO, env=env, capture_output=True,
+                            text=True, timeout=WAIT_S)
+    assert result.returncode == 2
+    assert "do not fit on GPUs [0, 1]" in result.stderr

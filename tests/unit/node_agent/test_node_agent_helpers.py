@@ -1,0 +1,76 @@
+"""The node agent's pure parts: worker command, instance ids, slots, worker environment, ack status."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from services.node_agent.agent import (
+    AgentError,
+    NodeAgent,
+    Worker,
+    ack_status,
+    first_free_slot,
+    initial_slots,
+    new_instance_id,
+    worker_argv,
+)
+from shared.messages.control import PlanAckStatus
+from shared.settings import NodeAgentSettings, WorkerSettings
+
+
+def test_worker_command_runs_with_this_interpreter():
+    assert worker_argv("python -m services.worker") == [sys.executable, "-m", "services.worker"]
+    assert worker_argv("/opt/bin/worker --flag 'a b'") == ["/opt/bin/worker", "--flag", "a b"]
+    with pytest.raises(AgentError, match="empty"):
+        worker_argv("  ")
+
+
+def test_instance_ids_are_readable_unique_subject_tokens():
+    ids = {new_instance_id("node-a", 2, (4, 5)) for _ in range(50)}
+    assert len(ids) > 40 and all(i.startswith("node-a-tp2-g4-") and "." not in i for i in ids)
+    assert WorkerSettings(instance_id=ids.pop()).instance_id  # the worker accepts it
+
+
+def test_slots_are_aligned_and_first_free():
+    gpus = [3, 0, 1, 2]
+    assert first_free_slot(gpus, set(), 2) == (0, 1)
+    assert first_free_slot(gpus, {1}, 2) == (2, 3)
+    assert first_free_slot(gpus, {1, 2}, 2) is None  # (1, 2) is not an aligned slot
+    assert first_free_slot(gpus, {0}, 1) == (1,)
+    assert initial_slots(gpus, [1, 2]) == [(0,), (2, 3)]
+    assert initial_slots(gpus, []) == []
+    with pytest.raises(AgentError, match="TP-4"):
+        initial_slots(gpus, [1, 4])
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(AgentError, match="node name 'a.b'"):
+        NodeAgent(NodeAgentSettings(node="a.b"), nc=None)
+    with pytest.raises(AgentError, match="without repeats"):
+        NodeAgent(NodeAgentSettings(gpu_ids=[0, 0]), nc=None)
+
+
+def test_worker_environment(monkeypatch):
+    monkeypatch.setenv("DLS_WORKER_MAX_BATCH", "8")
+    settings = NodeAgentSettings(node="n1", gpu_ids=[0, 1], nats_url="nats://x:1", subject_prefix="p1",
+                                 redis_key_prefix="k1")
+    agent = NodeAgent(settings, nc=None)
+    env = agent.worker_env(Worker("n1-tp2-g0-abcd", 2, (0, 1), restartable=True))
+    assert (env["DLS_NATS_URL"], env["DLS_SUBJECT_PREFIX"], env["DLS_REDIS_KEY_PREFIX"]) == ("nats://x:1", "p1", "k1")
+    assert json.loads(env["DLS_WORKER_GPU_IDS"]) == [0, 1] and env["DLS_WORKER_TP"] == "2"
+    assert env["DLS_WORKER_MAX_BATCH"] == "8" and "PATH" in env
+    for name, value in env.items():
+        if name.startswith("DLS_"):
+            monkeypatch.setenv(name, value)
+    worker = WorkerSettings()  # what the worker will read
+    assert (worker.instance_id, worker.node, worker.gpu_ids, worker.tp, worker.max_batch) == (
+        "n1-tp2-g0-abcd", "n1", [0, 1], 2, 8)
+
+
+def test_ack_status():
+    assert ack_status(0, []) == PlanAckStatus.APPLIED
+    assert ack_status(2, ["x"]) == PlanAckStatus.PARTIAL
+    assert ack_status(0, ["x"]) == PlanAckStatus.FAILED
