@@ -69,7 +69,7 @@ class Stack:
             if process.poll() is not None:
                 raise CliError(f"{name} exited with code {process.returncode}; see {self.run_dir / 'logs' / name}.log")
 
-    def stop(self, timeout_s: float = 20.0) -> None:
+    def stop(self, timeout_s: float = 90.0) -> None:
         for name, process in reversed(self.processes):
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)

@@ -1,0 +1,248 @@
+"""The model catalogue: the served model's name, tokenizer, context limit and generation defaults.
+
+The gateway tokenizes, so it loads the served model's tokenizer, never its weights (and never torch):
+
+* the bundled format (``tokenizer.json`` of ``services.worker.tokenizer.CharTokenizer``): one token per
+  character, no chat template (chat messages are joined with newlines);
+* any other directory: ``transformers.AutoTokenizer`` (LLaDA, Dream), with its chat template if it
+  has one.
+
+The model's name is its directory's basename (what workers put in their heartbeats). ``config.json``
+gives ``max_sequence_length`` (or ``max_position_embeddings``) and the mask id;
+``training_info.json`` (``train_config.gen_length`` / ``block_length``) the generation defaults.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from services.worker.tokenizer import TOKENIZER_FILE, CharTokenizer, TokenizerError
+
+logger = logging.getLogger(__name__)
+
+FALLBACK_GEN_LENGTH = 256  # max_tokens when neither the settings nor the model say
+FALLBACK_BLOCK_LENGTH = 32  # block length when neither the settings nor the model say
+FALLBACK_MAX_SEQUENCE_LENGTH = 4096  # context limit of a config that names none
+MASK_CHAR = "_"  # how an uncommitted canvas position is shown
+
+# model_type -> mask id of public checkpoints whose config.json does not name it
+_MASK_IDS_BY_MODEL_TYPE = {"llada": 126336, "dream": 151666}
+
+
+class ModelLoadError(ValueError):
+    """A served model directory the gateway cannot use; the message names the file or field."""
+
+
+class UnknownModelError(KeyError):
+    """A request named a model this gateway does not serve."""
+
+    def __init__(self, name: str, served: Sequence[str]) -> None:
+        super().__init__(name)
+        self.name = name
+        self.served = list(served)
+
+    def __str__(self) -> str:
+        return f"model {self.name!r} is not served here (served: {', '.join(self.served)})"
+
+
+class TextCodec(Protocol):
+    """Text <-> token ids for one model, as the gateway needs them."""
+
+    mask_token_id: int  # the id of an uncommitted canvas position
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; ``TokenizerError`` if the tokenizer cannot encode it."""
+        ...
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Generated text: stops at EOS, drops special tokens."""
+        ...
+
+    def render_canvas(self, token_ids: Sequence[int]) -> str:
+        """A generation canvas with every masked position shown as ``_`` (EOS and pads dropped)."""
+        ...
+
+    def chat_prompt(self, messages: Sequence[tuple[str, str]]) -> tuple[str, bool]:
+        """(prompt text, whether it already holds the special tokens) for (role, content) messages."""
+        ...
+
+
+class CharCodec:
+    """The bundled character-level tokenizer."""
+
+    def __init__(self, tokenizer: CharTokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.mask_token_id = tokenizer.mask_token_id
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(token_ids), stop_at_eos=True)
+
+    def render_canvas(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(token_ids), stop_at_eos=False)  # the mask decodes as "_"
+
+    def chat_prompt(self, messages: Sequence[tuple[str, str]]) -> tuple[str, bool]:
+        return "\n".join(content for _, content in messages), False  # no chat template
+
+
+class HfCodec:
+    """A Hugging Face tokenizer (``AutoTokenizer``), for LLaDA / Dream directories."""
+
+    def __init__(self, tokenizer, mask_token_id: int) -> None:
+        self.tokenizer = tokenizer
+        self.mask_token_id = mask_token_id
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        try:
+            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        except Exception as exc:  # noqa: BLE001 - tokenizer backends raise assorted errors
+            raise TokenizerError(f"the tokenizer cannot encode the text ({type(exc).__name__}: {exc})") from None
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        eos = self.tokenizer.eos_token_id
+        ids = list(token_ids)
+        if eos is not None and eos in ids:
+            ids = ids[: ids.index(eos)]
+        return self.tokenizer.decode([i for i in ids if i != self.mask_token_id], skip_special_tokens=True)
+
+    def render_canvas(self, token_ids: Sequence[int]) -> str:
+        parts: list[str] = []
+        run: list[int] = []  # consecutive committed ids, decoded together (multi-token characters)
+        for token_id in token_ids:
+            if token_id == self.mask_token_id:
+                parts.append(self.tokenizer.decode(run, skip_special_tokens=True) + MASK_CHAR)
+                run = []
+            else:
+                run.append(token_id)
+        parts.append(self.tokenizer.decode(run, skip_special_tokens=True))
+        return "".join(parts)
+
+    def chat_prompt(self, messages: Sequence[tuple[str, str]]) -> tuple[str, bool]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            return "\n".join(content for _, content in messages), False
+        conversation = [{"role": role, "content": content} for role, content in messages]
+        text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        return text, True
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """One model the gateway serves."""
+
+    name: str  # the API's model id: the directory's basename
+    directory: Path  # where it was loaded from
+    codec: TextCodec  # its tokenizer
+    max_sequence_length: int  # prompt plus generation must fit in this many tokens
+    default_gen_length: int  # max_tokens of requests that set none
+    default_block_length: int  # block length of requests that set none
+    created: int  # unix time (s) of its config (the API's ``created``)
+
+
+class ModelCatalogue:
+    """The models this gateway serves, by name (one today: the settings' model directory)."""
+
+    def __init__(self, models: Sequence[ServedModel]) -> None:
+        self._by_name = {model.name: model for model in models}  # model name -> model
+
+    def get(self, name: str) -> ServedModel:
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise UnknownModelError(name, list(self._by_name)) from None
+
+    @property
+    def models(self) -> list[ServedModel]:
+        return list(self._by_name.values())
+
+
+def load_served_model(model_dir: str | Path, default_gen_length: int | None = None,
+                      default_block_length: int | None = None) -> ServedModel:
+    """Tokenizer, limits and defaults of ``model_dir``; settings' defaults win over the model's."""
+    directory = Path(model_dir)
+    if not directory.is_dir():
+        raise ModelLoadError(f"{directory}: model directory does not exist")
+    config = _read_json(directory / "config.json", required=True)
+    gen_length, block_length = _generation_defaults(directory)
+    codec = _load_codec(directory, config)
+    return ServedModel(
+        name=directory.name or directory.resolve().name,  # as the workers name it (no symlink resolving)
+        directory=directory,
+        codec=codec,
+        max_sequence_length=_max_sequence_length(config, directory),
+        default_gen_length=default_gen_length or gen_length,
+        default_block_length=default_block_length or block_length,
+        created=int((directory / "config.json").stat().st_mtime),
+    )
+
+
+def _read_json(path: Path, required: bool) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        if required:
+            raise ModelLoadError(f"{path}: missing") from None
+        return {}
+    except json.JSONDecodeError as exc:
+        raise ModelLoadError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object")
+    return data
+
+
+def _max_sequence_length(config: dict, directory: Path) -> int:
+    for key in ("max_sequence_length", "max_position_embeddings"):
+        if key in config:
+            value = config[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value < 2:
+                raise ModelLoadError(f"{directory / 'config.json'}: field '{key}' must be an integer >= 2, "
+                                     f"got {value!r}")
+            return value
+    return FALLBACK_MAX_SEQUENCE_LENGTH
+
+
+def _generation_defaults(directory: Path) -> tuple[int, int]:
+    train = _read_json(directory / "training_info.json", required=False).get("train_config", {})
+    try:
+        gen_length = int(train.get("gen_length", FALLBACK_GEN_LENGTH))
+        block_length = int(train.get("block_length", FALLBACK_BLOCK_LENGTH))
+    except (TypeError, ValueError) as exc:
+        raise ModelLoadError(f"{directory / 'training_info.json'}: bad train_config lengths ({exc})") from None
+    if gen_length < 1 or block_length < 1:
+        raise ModelLoadError(f"{directory / 'training_info.json'}: train_config lengths must be positive")
+    return gen_length, block_length
+
+
+def _load_codec(directory: Path, config: dict) -> TextCodec:
+    if (directory / TOKENIZER_FILE).exists() and _is_char_tokenizer(directory / TOKENIZER_FILE):
+        try:
+            return CharCodec(CharTokenizer.from_pretrained(directory))
+        except TokenizerError as exc:
+            raise ModelLoadError(str(exc)) from None
+    try:
+        from transformers import AutoTokenizer  # only for foreign checkpoints: it is a heavy import
+
+        tokenizer = AutoTokenizer.from_pretrained(str(directory), trust_remote_code=False)
+    except Exception as exc:  # noqa: BLE001 - transformers raises many kinds here
+        raise ModelLoadError(f"{directory}: no usable tokenizer ({type(exc).__name__}: {exc})") from None
+    mask_id = config.get("mask_token_id",
+                         _MASK_IDS_BY_MODEL_TYPE.get(str(config.get("model_type", "")).lower(),
+                                                     getattr(tokenizer, "mask_token_id", None)))
+    if mask_id is None:
+        raise ModelLoadError(f"{directory / 'config.json'}: no mask_token_id, and the tokenizer has no mask token")
+    return HfCodec(tokenizer, int(mask_id))
+
+
+def _is_char_tokenizer(path: Path) -> bool:
+    """The bundled format's ``tokenizer.json`` (a Hugging Face fast tokenizer uses the same file name)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    return isinstance(data, dict) and data.get("type") == "char"

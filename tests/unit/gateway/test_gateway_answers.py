@@ -1,0 +1,275 @@
+"""Good requests: the CompletionRequest the bus receives (defaults filled in), OpenAI-shaped answers,
+SSE framing, failure statuses, timeouts, cancellation on disconnect, and the state/health routes."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+
+import pytest
+from starlette.requests import Request
+
+from services.gateway.answers import DONE
+from services.gateway.bus import Readiness
+from services.gateway.schemas import CompletionBody
+from shared.messages.base import CacheMode, StepKind
+from shared.messages.control import WorkerStatus
+from shared.messages.events import FailureReason
+from shared.state import RequestRecord, RequestStatus, StepRecord
+from tests.unit.gateway.gateway_builders import (
+    MODEL,
+    TOKENIZER,
+    FakeBus,
+    answer_script,
+    client,
+    data_chunks,
+    failure_script,
+    heartbeat,
+    sse_events,
+)
+
+REQUEST_ID = re.compile(r"^cmpl-[0-9a-f]{32}$")
+USAGE_KEYS = {"prompt_tokens", "completion_tokens", "total_tokens", "steps", "recompute_steps", "thresholds",
+              "instances", "migrations", "latency_ms", "slo_ms", "slo_met"}
+
+
+def test_completion_submits_a_filled_in_request_and_answers_in_openai_shape():
+    test_client, bus = client(min_default_slo_ms=0.0)
+    before = time.time()
+    response = test_client.post("/v1/completions", json={"model": MODEL, "prompt": "1+1=", "seed": 7, "priority": 2,
+                                                         "min_threshold": 0.6, "cache": "prefix"},
+                                headers={"traceparent": "00-abc-def-01"})
+    assert response.status_code == 200, response.text
+    [sent] = bus.submitted
+    assert REQUEST_ID.match(sent.request_id)
+    assert sent.prompt_token_ids == TOKENIZER.encode("1+1=")
+    assert (sent.gen_length, sent.block_length) == (16, 8)  # the model's training_info.json
+    assert sent.cache_mode is CacheMode.PREFIX
+    assert (sent.seed, sent.priority, sent.min_threshold, sent.stream, sent.model) == (7, 2, 0.6, False, MODEL)
+    assert before <= sent.arrival_time <= time.time()
+    assert 0 < sent.slo_ms < 30_000  # predicted from the one-shot predictor and the profile, not the fallback
+    assert bus.headers == [{"traceparent": "00-abc-def-01"}]
+
+    answer = response.json()
+    assert response.headers["x-request-id"] == answer["id"] == sent.request_id
+    assert (answer["object"], answer["model"]) == ("text_completion", MODEL)
+    assert answer["choices"] == [{"index": 0, "text": "42", "logprobs": None, "finish_reason": "stop"}]
+    assert set(answer["usage"]) == USAGE_KEYS
+    assert answer["usage"]["total_tokens"] == 6 and answer["usage"]["slo_ms"] == sent.slo_ms
+    assert answer["usage"]["instances"] == ["local-0", "local-1"] and answer["usage"]["migrations"] == 1
+
+
+def test_default_slo_has_a_floor_and_a_fallback():
+    test_client, bus = client(min_default_slo_ms=1500.0)
+    test_client.post("/v1/completions", json={"model": MODEL, "prompt": "1+1="})
+    assert bus.submitted[-1].slo_ms == 1500.0  # the tiny model's predicted latency is far below the floor
+    test_client, bus = client(profile="profiles/missing.json", default_slo_ms=12_345.0)
+    test_client.post("/v1/completions", json={"model": MODEL, "prompt": "1+1="})
+    assert bus.submitted[-1].slo_ms == 12_345.0
+    test_client.post("/v1/completions", json={"model": MODEL, "prompt": "1+1=", "slo_ms": 800})
+    assert bus.submitted[-1].slo_ms == 800
+
+
+def test_explicit_lengths_and_settings_defaults():
+    test_client, bus = client(default_gen_length=24, default_block_length=4)
+    test_client.post("/v1/completions", json={"model": MODEL, "prompt": "1+1="})
+    assert (bus.submitted[-1].gen_length, bus.submitted[-1].block_length) == (24, 4)
+    test_client.post("/v1/completions", json={"model": MODEL, "prompt": "1+1=", "max_tokens": 6, "block_length": 32})
+    assert (bus.submitted[-1].gen_length, bus.submitted[-1].block_length) == (6, 6)  # block capped at the canvas
+
+
+def test_chat_completion_joins_messages_and_answers_as_chat():
+    test_client, bus = client(bus=FakeBus(answer_script("4")))
+    messages = [{"role": "system", "content": "add."}, {"role": "user", "content": "2+2="}]
+    response = test_client.post("/v1/chat/completions", json={"model": MODEL, "messages": messages})
+    assert response.status_code == 200, response.text
+    assert bus.submitted[0].prompt_token_ids == TOKENIZER.encode("add.\n2+2=")
+    answer = response.json()
+    assert answer["object"] == "chat.completion"
+    assert answer["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "4"},
+                                  "finish_reason": "stop"}]
+    assert set(answer["usage"]) == USAGE_KEYS
+
+
+def test_stream_sends_one_chunk_per_delta_then_usage_then_done():
+    test_client, bus = client(bus=FakeBus(answer_script("42", finish_reason="length")))
+    response = test_client.post("/v1/completions", json={"model": MODEL, "prompt": "1+1=", "stream": True})
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/event-stream")
+    assert bus.submitted[0].stream
+    chunks = data_chunks(response.text)
+    assert response.text.endswith(DONE) and chunks[-1] == "[DONE]"
+    texts = [chunk["choices"][0]["text"] for chunk in chunks[:-1]]
+    assert texts == ["4", "2", ""]
+    assert all(chunk["id"] == bus.submitted[0].request_id for chunk in chunks[:-1])
+    assert [chunk["choices"][0]["finish_reason"] for chunk in chunks[:-1]] == [None, None, "length"]
+    assert "usage" not in chunks[0] and set(chunks[-2]["usage"]) == USAGE_KEYS
+    assert all(name == "message" for name, _ in sse_events(response.text))  # no progress lines unless asked
+
+
+def test_stream_progress_lines_show_the_canvas():
+    test_client, _ = client()
+    body = {"model": MODEL, "prompt": "1+1=", "max_tokens": 4, "stream": True,
+            "stream_options": {"include_progress": True}}
+    response = test_client.post("/v1/completions", json=body)
+    progress = [data for name, data in sse_events(response.text) if name == "progress"]
+    assert len(progress) == 2
+    import json
+
+    first, second = (json.loads(p) for p in progress)
+    assert (first["step"], first["threshold"], first["instance_id"]) == (1, 0.9, "local-0")
+    assert (first["canvas"], second["canvas"]) == ("4___", "42__")
+    assert data_chunks(response.text)[-1] == "[DONE]"
+
+
+def test_chat_stream_carries_the_role_first():
+    test_client, _ = client()
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "1+1="}], "stream": True}
+    chunks = data_chunks(test_client.post("/v1/chat/completions", json=body).text)
+    assert chunks[-1] == "[DONE]"
+    assert [c["object"] for c in chunks[:-1]] == ["chat.completion.chunk"] * 3
+    assert [c["choices"][0]["delta"] for c in chunks[:-1]] == [{"role": "assistant", "content": "4"},
+                                                               {"content": "2"}, {}]
+    assert chunks[-2]["choices"][0]["finish_reason"] == "stop" and "usage" in chunks[-2]
+
+
+def test_stream_sends_text_whose_progress_was_lost_before_the_final_chunk():
+    def script(request):
+        return [event for event in answer_script("123")(request) if getattr(event, "num_steps", 0) != 3]
+
+    test_client, _ = client(bus=FakeBus(script))
+    chunks = data_chunks(test_client.post("/v1/completions",
+                                          json={"model": MODEL, "prompt": "1+1=", "stream": True}).text)
+    assert [c["choices"][0]["text"] for c in chunks[:-1]] == ["1", "2", "3", ""]
+
+
+@pytest.mark.parametrize(("reason", "detail", "status", "param", "retry_after"), [
+    (FailureReason.DEADLINE_INFEASIBLE, "needs 900 ms, has 100", 429, "slo_ms", True),
+    (FailureReason.FLOOR_UNSATISFIABLE, "min_threshold 0.99 above every candidate", 400, "min_threshold", False),
+    (FailureReason.INVALID, "prompt (600) plus gen_length (16) exceeds 512 tokens", 400, "max_tokens", False),
+    (FailureReason.NO_INSTANCE, "", 503, None, True),
+    (FailureReason.CANCELLED, "operator", 409, None, False),
+    (FailureReason.WORKER_ERROR, "CUDA error", 500, None, False),
+    (FailureReason.INTERNAL, "", 500, None, False),
+])
+def test_failures_map_to_statuses(reason, detail, status, param, retry_after):
+    test_client, bus = client(bus=FakeBus(failure_script(reason, detail)), retry_after_s=3)
+    for stream in (False, True):  # a stream refused before its first chunk gets the status too
+        response = test_client.post("/v1/completions", json={"model": MODEL, "prompt": "1+1=", "stream": stream})
+        assert response.status_code == status, response.text
+        error = response.json()["error"]
+        assert error["param"] == param
+        assert bus.submitted[-1].request_id in error["message"]
+        assert ("retry-after" in response.headers) == retry_after
+        if retry_after:
+            assert response.headers["retry-after"] == "3"
+
+
+def test_failure_after_the_stream_started_is_an_error_chunk_then_done():
+    test_client, bus = client(bus=FakeBus(failure_script(FailureReason.WORKER_ERROR, "boom", after_progress=True)))
+    response = test_client.post("/v1/completions", json={"model": MODEL, "prompt": "1+1=", "stream": True})
+    assert response.status_code == 200
+    chunks = data_chunks(response.text)
+    assert chunks[0]["choices"][0]["text"] == "4"
+    assert chunks[1]["error"]["code"] == "worker_error" and bus.submitted[0].request_id in chunks[1]["error"]["message"]
+    assert chunks[2] == "[DONE]"
+    assert bus.cancelled == []
+
+
+def test_timeout_is_504_with_the_request_id_and_does_not_cancel():
+    test_client, bus = client(bus=FakeBus(hang=True), request_timeout_s=0.2)
+    response = test_client.post("/v1/completions", json={"model": MODEL, "prompt": "1+1="})
+    assert response.status_code == 504
+    request_id = bus.submitted[0].request_id
+    assert f"/v1/requests/{request_id}" in response.json()["error"]["message"]
+    assert bus.cancelled == []
+
+
+def _gateway(bus: FakeBus):
+    test_client, _ = client(bus=bus)
+    return test_client.app.state.gateway
+
+
+def test_stream_cancels_the_request_when_the_client_leaves():
+    bus = FakeBus(answer_script("4242"))
+    gateway = _gateway(bus)
+
+    async def main():
+        body = CompletionBody(model=MODEL, prompt="1+1=", stream=True)
+        prepared = gateway.preparer.prepare(body, "cmpl-" + "a" * 32, time.time())
+        events = bus.submit(prepared.request)
+        first = await anext(events)
+        stream = gateway._stream(prepared, first, events, asyncio.get_running_loop().time() + 10)
+        assert (await anext(stream)).startswith("data: ")  # the first delta
+        await stream.aclose()  # the client went away
+
+    asyncio.run(main())
+    assert bus.cancelled == [("cmpl-" + "a" * 32, "client disconnected")]
+
+
+def test_non_streaming_request_is_cancelled_when_the_client_leaves():
+    bus = FakeBus(hang=True)
+    gateway = _gateway(bus)
+
+    async def disconnect():
+        return {"type": "http.disconnect"}
+
+    async def main():
+        request = Request({"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}, disconnect)
+        body = CompletionBody(model=MODEL, prompt="1+1=")
+        return await gateway.complete(body, request)
+
+    response = asyncio.run(main())
+    assert response.status_code == 499
+    assert bus.cancelled == [(bus.submitted[0].request_id, "client disconnected")]
+
+
+def _record(request_id: str, status: RequestStatus) -> RequestRecord:
+    canvas = TOKENIZER.encode("42") + [TOKENIZER.eos_token_id] * 2 if status == RequestStatus.FINISHED else \
+        TOKENIZER.encode("4") + [TOKENIZER.mask_token_id] * 3
+    return RequestRecord(request_id=request_id, status=status, prompt_token_ids=TOKENIZER.encode("1+1="),
+                         canvas=canvas, mask_token_id=TOKENIZER.mask_token_id, gen_length=4, block_length=4,
+                         num_steps=2, num_committed=4, threshold_history=[0.9, 0.8], arrival_time=100.0,
+                         deadline=101.0, slo_ms=1000.0, instance_history=["local-0"], num_recompute_steps=1,
+                         model=MODEL, finish_reason="stop" if status == RequestStatus.FINISHED else "",
+                         finished_at=100.5 if status == RequestStatus.FINISHED else None)
+
+
+def test_request_state_route():
+    bus = FakeBus()
+    steps = [StepRecord(step_index=1, instance_id="local-0", kind=StepKind.RECOMPUTE, block_index=0, threshold=0.9,
+                        committed_positions=[0], started_at=100.1, duration_s=0.01)]
+    bus.records["cmpl-done"] = (_record("cmpl-done", RequestStatus.FINISHED), steps)
+    bus.records["cmpl-running"] = (_record("cmpl-running", RequestStatus.RUNNING), [])
+    test_client, _ = client(bus=bus)
+
+    done = test_client.get("/v1/requests/cmpl-done").json()
+    assert (done["status"], done["prompt"], done["output"], done["canvas"]) == ("finished", "1+1=", "42", "42")
+    assert (done["thresholds"], done["instances"], done["slo_met"], done["finish_reason"]) == (
+        [0.9, 0.8], ["local-0"], True, "stop")
+    assert done["steps"] == [{"step_index": 1, "instance_id": "local-0", "kind": "recompute", "block_index": 0,
+                              "threshold": 0.9, "committed_positions": [0], "batch_size": 1, "loaded_state": False,
+                              "started_at": 100.1, "duration_s": 0.01}]
+    running = test_client.get("/v1/requests/cmpl-running").json()
+    assert (running["status"], running["canvas"], running["output"], running["slo_met"]) == (
+        "running", "4___", None, None)
+    missing = test_client.get("/v1/requests/cmpl-nope")
+    assert missing.status_code == 404 and missing.json()["error"]["param"] == "request_id"
+
+
+def test_models_health_and_readiness():
+    bus = FakeBus()
+    test_client, _ = client(bus=bus)
+    models = test_client.get("/v1/models").json()
+    assert models["object"] == "list" and [m["id"] for m in models["data"]] == [MODEL]
+    assert models["data"][0]["max_sequence_length"] == 512
+    assert test_client.get("/healthz").status_code == 200
+
+    assert test_client.get("/readyz").status_code == 200
+    bus.state = Readiness(True, True, [heartbeat(status=WorkerStatus.DRAINING), heartbeat("other", model="llada")])
+    response = test_client.get("/readyz")
+    assert response.status_code == 503 and response.json()["missing"] == ["worker"]
+    bus.state = Readiness(False, False, [], {"nats": "not connected", "redis": "ConnectionError"})
+    body = test_client.get("/readyz").json()
+    assert body["missing"] == ["nats", "redis", "worker"] and body["detail"]["redis"] == "ConnectionError"
