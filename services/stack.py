@@ -79,6 +79,8 @@ class Stack:
                     print(f"  {name} did not stop in {timeout_s:.0f} s: killing it", flush=True)
                     os.killpg(process.pid, signal.SIGKILL)
                     process.wait()
+            if process.returncode not in (0, -signal.SIGTERM):
+                print(f"  {name} exited with code {process.returncode} (see its log)", flush=True)
         self.processes.clear()
 
 

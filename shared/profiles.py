@@ -22,6 +22,7 @@ the last two points (never below the last measured value).
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -97,6 +98,12 @@ class LatencyProfile:
         """
         step_s = (1 - cache_fraction) * self.alpha(tp, batch) + cache_fraction * self.beta(tp, batch)
         return batch / step_s
+
+    def with_alias(self, tp: int, like_tp: int) -> LatencyProfile:
+        """This profile plus TP-``tp`` timed as TP-``like_tp`` (for degrees a profile never measured)."""
+        curves = {**self.curves, tp: self.curves[like_tp]}
+        notes = f"{self.notes}; TP-{tp} timed as TP-{like_tp}".lstrip("; ")
+        return dataclasses.replace(self, curves=curves, notes=notes)
 
     def _curve(self, tp: int, kind: str) -> _Curve:
         try:

@@ -329,6 +329,11 @@ class SchedulerService:
             profile = self._profiles[path]
             if beat.tp in profile.tp_degrees:
                 return profile
+            lower = [tp for tp in profile.tp_degrees if tp < beat.tp]
+            if lower:  # e.g. the measured CPU profile has TP-1 only: plan with it (pessimistic)
+                logger.warning("instance %s: profile %s has no TP-%d curve; planning it as TP-%d", beat.instance_id,
+                               path, beat.tp, max(lower))
+                return profile.with_alias(beat.tp, max(lower))
         logger.error("instance %s (tp %d): no latency profile covers it; not using it", beat.instance_id, beat.tp)
         return None
 

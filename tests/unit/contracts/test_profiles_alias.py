@@ -1,0 +1,16 @@
+"""A profile lacking a TP degree can time it as another (the scheduler plans an unprofiled TP-2
+instance on the CPU profile as TP-1)."""
+
+import pytest
+
+from shared.profiles import LatencyProfile, ProfileError
+
+
+def test_alias_adds_a_degree_with_the_other_degrees_curves():
+    profile = LatencyProfile.load("profiles/dls-tiny-cpu.json")
+    with pytest.raises(ProfileError):
+        profile.alpha(2, 1)
+    aliased = profile.with_alias(2, 1)
+    assert aliased.tp_degrees == (1, 2)
+    assert aliased.alpha(2, 4) == profile.alpha(1, 4) and aliased.beta(2, 8) == profile.beta(1, 8)
+    assert "TP-2 timed as TP-1" in aliased.notes and profile.tp_degrees == (1,)
