@@ -6,7 +6,7 @@ profile, so a CPU machine has a GPU cluster's timing while the real model picks 
 short warm-up, then the open-loop load, stop the stack, and report SLO attainment, accuracy,
 latency and the thresholds used. Prints JSON (``--json`` writes it too).
 
-    python -m bench.live_overload --rate 40 --duration 60 --json runs/live-overload.json
+    python -m bench.live_overload --rate 4 --duration 60 --json runs/live-overload.json
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def start_stack(policy: str, args, run_dir: Path) -> tuple[subprocess.Popen, str
     env = dict(os.environ, DLS_NATS_URL=f"nats://127.0.0.1:{free_port()}",
                DLS_REDIS_URL=f"redis://127.0.0.1:{free_port()}/0")
     argv = [sys.executable, "-m", "shared.cli", "up", "--port", str(port), "--workers", str(args.workers),
-            "--policy", policy, "--pace", args.pace, "--run-dir", str(run_dir)]
+            "--policy", policy, "--pace", args.pace, "--pace-scale", str(args.pace_scale), "--run-dir", str(run_dir)]
     log = open(run_dir.with_suffix(".log"), "wb")  # noqa: SIM115 (the child keeps it)
     process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -69,11 +69,11 @@ def run_policy(policy: str, args) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     process, url = start_stack(policy, args, run_dir)
     try:
-        warmup = poisson_plan(2.0, 3.0, slo_ms=args.slo_ms, seed=args.seed + 1)
-        asyncio.run(run_plan(url, warmup))
+        warmup = poisson_plan(1.0, 3.0, slo_ms=args.slo_ms, seed=args.seed + 1)
+        asyncio.run(run_plan(url, warmup, cache=args.cache))
         plan = poisson_plan(args.rate, args.duration, slo_ms=args.slo_ms, seed=args.seed)
         print(f"{policy}: {len(plan)} requests over {args.duration:.0f} s ...", file=sys.stderr, flush=True)
-        results = asyncio.run(run_plan(url, plan))
+        results = asyncio.run(run_plan(url, plan, cache=args.cache))
         return summarize(results, args.duration)
     finally:
         stop_stack(process)
@@ -82,11 +82,15 @@ def run_policy(policy: str, args) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--policies", default="dilaserve,fixed", help="comma-separated policies to compare")
-    p.add_argument("--rate", type=float, default=40.0, help="arrivals per second")
+    p.add_argument("--rate", type=float, default=4.0,
+                   help="arrivals per second (default: about 2x what 2 workers serve at threshold 0.9)")
     p.add_argument("--duration", type=float, default=60.0, help="seconds of load")
-    p.add_argument("--slo-ms", type=float, default=1500.0, help="every request's SLO")
+    p.add_argument("--slo-ms", type=float, default=6500.0, help="every request's SLO (5x isolated latency at 0.9)")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--pace", default="profiles/llada-8b-h100.json")
+    p.add_argument("--pace-scale", type=float, default=10.8,
+                   help="each bundled-model step paced as this many LLaDA-8B steps (80 / 7.4, as the simulator)")
+    p.add_argument("--cache", default="none", choices=["none", "prefix", "dual"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--run-dir", default="runs/live-overload")
     p.add_argument("--json", default=None)

@@ -42,6 +42,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--policy", default="dilaserve", help="scheduling policy (dilaserve, fixed, infaas, llumnix, ...)")
     p.add_argument("--pace", default=None, metavar="PROFILE",
                    help="pace workers to a latency profile (e.g. profiles/llada-8b-h100.json) to emulate GPUs")
+    p.add_argument("--pace-scale", type=float, default=1.0,
+                   help="multiply paced step times (e.g. 10.8: one bundled-model step as ~11 LLaDA-8B steps)")
     p.add_argument("--model", default="models/dls-tiny", help="model directory")
     p.add_argument("--run-dir", default="runs/stack", help="logs and server data go here")
     p.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for the gateway")
@@ -177,6 +179,9 @@ def service_env(args, nats_url: str, redis_url: str) -> dict[str, str]:
     })
     if args.pace:
         env["DLS_WORKER_PACE_PROFILE"] = args.pace
+        env["DLS_WORKER_PACE_SCALE"] = env["DLS_GATEWAY_PROFILE_SCALE"] = str(args.pace_scale)
+    elif args.pace_scale != 1.0:
+        raise CliError("--pace-scale needs --pace")
     return env
 
 

@@ -99,6 +99,15 @@ class LatencyProfile:
         step_s = (1 - cache_fraction) * self.alpha(tp, batch) + cache_fraction * self.beta(tp, batch)
         return batch / step_s
 
+    def scaled(self, factor: float) -> LatencyProfile:
+        """Every latency times ``factor`` (a slower device, or a bigger model, with the same shape)."""
+        if factor <= 0:
+            raise ProfileError(f"scale factor must be positive, got {factor}")
+        curves = {tp: {kind: _Curve(c.batch_sizes, tuple(v * factor for v in c.latencies_ms))
+                       for kind, c in kinds.items()} for tp, kinds in self.curves.items()}
+        notes = f"{self.notes}; latencies x{factor:g}".lstrip("; ")
+        return dataclasses.replace(self, curves=curves, notes=notes)
+
     def with_alias(self, tp: int, like_tp: int) -> LatencyProfile:
         """This profile plus TP-``tp`` timed as TP-``like_tp`` (for degrees a profile never measured)."""
         curves = {**self.curves, tp: self.curves[like_tp]}

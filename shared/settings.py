@@ -67,6 +67,8 @@ class GatewaySettings(ServiceSettings):
                           "served model's directory (tokenizer, config, predictor); its basename is the model name")
     profile: str = _own("gateway", "profile", "profiles/dls-tiny-cpu.json",
                         "step-latency profile for default SLOs (TP-1 latency at batch 1)")
+    profile_scale: float = _own("gateway", "profile_scale", 1.0,
+                                "multiply the profile's latencies by this (as the workers' DLS_WORKER_PACE_SCALE)", gt=0)
     default_slo_factor: float = _own("gateway", "default_slo_factor", 5.0,
                                      "default SLO = this times the predicted isolated latency", gt=0)
     min_default_slo_ms: float = _own("gateway", "min_default_slo_ms", 1000.0,
@@ -115,6 +117,9 @@ class WorkerSettings(ServiceSettings):
                               gt=0)
     profile: str = _own("worker", "profile", "profiles/dls-tiny-cpu.json",
                         "latency profile the scheduler plans this instance with when it is not paced")
+    pace_scale: float = _own("worker", "pace_scale", 1.0,
+                             "multiply the paced latencies by this (e.g. one small-model step as many big-model steps)",
+                             gt=0)
     pace_profile: str | None = _own("worker", "pace_profile", None,
                                     "latency profile to pace steps to (emulate a GPU); unset: run at own speed")
 

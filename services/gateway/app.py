@@ -284,7 +284,7 @@ def create_app(settings: GatewaySettings, bus: Bus | None = None) -> FastAPI:
     """The gateway app; ``bus``: a started ``Bus`` owned by the caller, or None for a ``GatewayBus``."""
     model = load_served_model(settings.model_dir, settings.default_gen_length, settings.default_block_length)
     estimator = load_slo_estimator(model.directory, settings.profile, settings.default_slo_factor,
-                                   settings.min_default_slo_ms)
+                                   settings.min_default_slo_ms, settings.profile_scale)
     own_bus = GatewayBus(settings) if bus is None else None
     gateway = Gateway(settings, RequestPreparer(settings, ModelCatalogue([model]), estimator), bus or own_bus)
 

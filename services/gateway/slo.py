@@ -69,13 +69,13 @@ class SloEstimator:
 
 
 def load_slo_estimator(model_dir: str | Path, profile_path: str | Path, factor: float,
-                       floor_ms: float) -> SloEstimator | None:
+                       floor_ms: float, profile_scale: float = 1.0) -> SloEstimator | None:
     """The estimator for the served model, or None (logged once) if its predictor or profile is unusable."""
     try:
         from services.predictor.adapters import load_predictor  # LightGBM: imported only when used
 
         predictor = load_predictor(model_dir, one_shot=True)
-        return SloEstimator(predictor, LatencyProfile.load(profile_path), factor, floor_ms)
+        return SloEstimator(predictor, LatencyProfile.load(profile_path).scaled(profile_scale), factor, floor_ms)
     except (ProfileError, ImportError, OSError, ValueError) as exc:
         logger.warning("default SLOs fall back to DLS_GATEWAY_DEFAULT_SLO_MS: cannot load the one-shot predictor "
                        "of %s or the profile %s (%s)", model_dir, profile_path, exc)

@@ -327,6 +327,8 @@ class SchedulerService:
                     logger.warning("instance %s: profile %s unusable (%s)", beat.instance_id, path, exc)
                     continue
             profile = self._profiles[path]
+            if beat.profile_scale != 1.0 and path == beat.profile:
+                profile = profile.scaled(beat.profile_scale)
             if beat.tp in profile.tp_degrees:
                 return profile
             lower = [tp for tp in profile.tp_degrees if tp < beat.tp]

@@ -81,7 +81,9 @@ class WorkerService:
         self.clock = clock
         self.status = WorkerStatus.STARTING
         self.started_at = clock()
-        self.pace = LatencyProfile.load(settings.pace_profile) if settings.pace_profile else None
+        self.pace = None  # the latency profile steps are stretched to (None: no pacing)
+        if settings.pace_profile:
+            self.pace = LatencyProfile.load(settings.pace_profile).scaled(settings.pace_scale)
         self.local: dict[str, _Local] = {}  # request id -> its local copy
         self.num_steps = 0
         self.num_malformed = 0
@@ -149,7 +151,8 @@ class WorkerService:
         beat = WorkerHeartbeat(
             instance_id=self.instance_id, node=self.settings.node, tp=self.settings.tp,
             gpu_ids=list(self.settings.gpu_ids), max_batch=self.settings.max_batch, model=self.engine.name,
-            profile=self.profile_name, status=self.status, num_resident=len(self.local),
+            profile=self.profile_name, profile_scale=self.settings.pace_scale if self.pace else 1.0,
+            status=self.status, num_resident=len(self.local),
             ttl_s=self.settings.lease_ttl_s, sent_at=self.clock(), started_at=self.started_at,
         )
         await self.nc.publish(self.subjects.heartbeat, codec.encode(beat, self.settings.max_payload_bytes))
