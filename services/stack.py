@@ -36,7 +36,8 @@ SERVICES = ("scheduler", "predictor", "reconfigurator", "node_agent", "gateway")
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("up", help="start the whole local stack (NATS, Redis, every service) and serve HTTP")
     p.add_argument("--host", default="127.0.0.1", help="address the gateway binds")
-    p.add_argument("--port", type=int, default=8000, help="gateway HTTP port")
+    p.add_argument("--port", type=int, default=int(os.environ.get("DLS_GATEWAY_PORT", "8000")),
+                   help="gateway HTTP port (default: DLS_GATEWAY_PORT or 8000)")
     p.add_argument("--workers", type=int, default=2, help="worker instances (TP 1 each) the node agent starts")
     p.add_argument("--tp", default=None, help="TP degree per worker instead, comma-separated (e.g. 1,2)")
     p.add_argument("--policy", default="dilaserve", help="scheduling policy (dilaserve, fixed, infaas, llumnix, ...)")

@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-import nats.errors
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import (
@@ -143,7 +142,7 @@ class IntakeConsumer:
         """
         try:
             msgs = await self._subscription.fetch(batch, timeout=timeout_s)
-        except nats.errors.TimeoutError:
+        except TimeoutError:  # nats.errors.TimeoutError, or asyncio's when the pull request itself timed out
             return []
         deliveries = []
         for msg in msgs:

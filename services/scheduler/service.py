@@ -188,7 +188,7 @@ class SchedulerService:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 (NATS reconnecting: retry after a pause)
-                logger.warning("intake fetch failed: %s", exc)
+                logger.warning("intake fetch failed: %r", exc)
                 await asyncio.sleep(0.5)
                 continue
             if deliveries:
