@@ -218,7 +218,9 @@ def _up(args) -> int:
             stopping = True
             raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, on_signal)
+    # SIGINT too: a shell starts background jobs with SIGINT ignored, and Python then keeps ignoring it
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, on_signal)
     try:
         for url, port, start, name in ((nats_url, 4222, start_nats, "NATS"), (redis_url, 6379, start_redis, "Redis")):
             if _listening(url, port):
