@@ -1,0 +1,299 @@
+"""Control-plane overhead: the real scheduler, NATS and Redis with a FAKE engine of zero compute.
+
+Processes: nats-server, redis-server, this process (the scheduler service plus a closed-loop driver
+that keeps ``--requests`` requests in flight by publishing intake messages directly, as the gateway
+would), and one worker process holding ``--instances`` worker services whose engine is
+``services.worker.zero_engine.ZeroComputeEngine`` (no model: what is measured is everything around a
+step). Each worker records, for every command, the time since it published its previous results:
+the per-step overhead (scheduler decode, core decision, dispatch, two NATS hops; the worker's own
+Redis write is part of its step, not of the overhead). Measured in the same run, as the physical
+floor: the bare NATS request/reply round trip between the two processes and one Redis pipeline
+round trip.
+
+    python -m bench.control_plane --json runs/bench-control-plane.json
+
+JSON: ``overhead_ms`` (p50, p99), ``floor_ms`` (nats_rtt, redis_rtt: p50), ``steps_per_s`` (request
+steps per second, summed over instances), ``commands_per_s``, ``instances``, ``requests``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+
+PROFILE = "profiles/llada-8b-h100.json"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --- the worker process ---------------------------------------------------------------------------
+
+
+async def run_workers(args) -> None:
+    import nats
+
+    from services.worker.service import WorkerService
+    from services.worker.zero_engine import ZeroComputeEngine
+    from shared.settings import WorkerSettings
+    from shared.state import RedisStateStore
+
+    class TimedWorker(WorkerService):
+        """A worker that records the gap between its results and its next command."""
+
+        def __init__(self, *a, **kw) -> None:
+            super().__init__(*a, **kw)
+            self.last_sent: float | None = None
+            self.gaps: list[float] = []
+            self.request_steps = 0
+            self.commands = 0
+            self.measuring = False
+
+        async def _on_command(self, msg) -> None:
+            arrived = time.perf_counter()
+            if self.measuring and self.last_sent is not None:
+                self.gaps.append(arrived - self.last_sent)
+            self.last_sent = None
+            await super()._on_command(msg)
+            self.last_sent = time.perf_counter()
+            if self.measuring:
+                self.commands += 1
+
+        async def _run(self, command):
+            results = await super()._run(command)
+            if self.measuring:
+                self.request_steps += len(results.results)
+            return results
+
+    nc = await nats.connect(args.nats)
+    store = RedisStateStore.from_url(args.redis, args.prefix)
+    workers = []
+    for i in range(args.instances):
+        settings = WorkerSettings(nats_url=args.nats, redis_url=args.redis, subject_prefix=args.prefix,
+                                  redis_key_prefix=args.prefix, max_batch=args.max_batch, profile=PROFILE)
+        worker = TimedWorker(settings, ZeroComputeEngine(), nc, store, instance_id=f"zero{i}")
+        await worker.start()
+        workers.append(worker)
+
+    async def echo(msg):
+        await msg.respond(msg.data)
+
+    await nc.subscribe(f"{args.prefix}.bench.echo", cb=echo)
+    control = asyncio.Event()
+    phase = {"measure": False}
+
+    async def on_control(msg):
+        command = msg.data.decode()
+        if command == "start":
+            for w in workers:
+                w.measuring = True
+                w.gaps.clear()
+            phase["start"] = time.perf_counter()
+            await msg.respond(b"ok")
+        elif command == "stop":
+            elapsed = time.perf_counter() - phase["start"]
+            for w in workers:
+                w.measuring = False
+            report = {
+                "gaps_s": [g for w in workers for g in w.gaps],
+                "request_steps": sum(w.request_steps for w in workers),
+                "commands": sum(w.commands for w in workers),
+                "elapsed_s": elapsed,
+            }
+            await msg.respond(json.dumps(report).encode())
+            control.set()
+
+    await nc.subscribe(f"{args.prefix}.bench.control", cb=on_control)
+    await nc.flush()
+    print("workers ready", flush=True)
+    await control.wait()
+    for w in workers:
+        await w.stop()
+    await nc.drain()
+    await store.close()
+
+
+# --- the scheduler process --------------------------------------------------------------------------
+
+
+async def run_scheduler_and_load(args, nats_url: str, redis_url: str, prefix: str) -> dict:
+    import nats
+    from redis.asyncio import Redis
+
+    from services.scheduler.service import SchedulerService
+    from shared.jetstream import ensure_intake_stream, publish_request
+    from shared.messages import codec
+    from shared.messages.events import RequestEvent, RequestFailed, RequestFinished
+    from shared.messages.intake import CompletionRequest
+    from shared.settings import SchedulerSettings
+    from shared.state import RedisStateStore
+    from shared.subjects import Subjects
+
+    subjects = Subjects(prefix)
+    settings = SchedulerSettings(nats_url=nats_url, redis_url=redis_url, subject_prefix=prefix,
+                                 redis_key_prefix=prefix, profile=PROFILE, predictor_timeout_s=0.05,
+                                 stats_interval_s=5.0)
+    sched_nc = await nats.connect(nats_url)
+    store = RedisStateStore.from_url(redis_url, prefix)
+    scheduler = SchedulerService(settings, sched_nc, sched_nc.jetstream(), store)
+    await scheduler.start()
+
+    client = await nats.connect(nats_url)
+    js = client.jetstream()
+    await ensure_intake_stream(js, subjects)
+    in_flight = {"n": 0, "done": 0}
+    refill = asyncio.Event()
+
+    async def on_event(msg):
+        event = codec.decode(RequestEvent, msg.data)
+        if isinstance(event, RequestFinished | RequestFailed):
+            in_flight["n"] -= 1
+            in_flight["done"] += 1
+            refill.set()
+
+    await client.subscribe(subjects.events_all, cb=on_event)
+
+    async def submit():
+        request = CompletionRequest(request_id=f"cp-{uuid.uuid4().hex}", prompt_token_ids=list(range(3, 35)),
+                                    gen_length=args.gen_length, block_length=32, slo_ms=600_000.0,
+                                    arrival_time=time.time())
+        in_flight["n"] += 1
+        await publish_request(js, subjects, request)
+
+    async def keep_full(stop: asyncio.Event):
+        while not stop.is_set():
+            while in_flight["n"] < args.requests:
+                await submit()
+            refill.clear()
+            try:
+                await asyncio.wait_for(refill.wait(), 0.5)
+            except TimeoutError:
+                pass
+
+    await scheduler_ready(scheduler, args.instances)
+    # the physical floor, between the same two processes, before the load starts (same run)
+    nats_rtt = []
+    for _ in range(300):
+        t0 = time.perf_counter()
+        await client.request(f"{prefix}.bench.echo", b"x" * 64, timeout=5)
+        nats_rtt.append(time.perf_counter() - t0)
+    redis = Redis.from_url(redis_url)
+    redis_rtt = []
+    for i in range(300):
+        t0 = time.perf_counter()
+        async with redis.pipeline(transaction=False) as pipe:
+            pipe.set(f"{prefix}:bench:{i % 8}", b"x" * 64)
+            pipe.get(f"{prefix}:bench:{(i + 1) % 8}")
+            await pipe.execute()
+        redis_rtt.append(time.perf_counter() - t0)
+    await redis.aclose()
+    stop = asyncio.Event()
+    loader = asyncio.create_task(keep_full(stop))
+    await asyncio.sleep(args.warmup)
+    await client.request(f"{prefix}.bench.control", b"start", timeout=5)
+    await asyncio.sleep(args.duration)
+    reply = await client.request(f"{prefix}.bench.control", b"stop", timeout=30)
+    measured = json.loads(reply.data)
+    stop.set()
+    await loader
+
+    await scheduler.stop()
+    await sched_nc.close()
+    await client.close()
+    await store.close()
+
+    gaps = np.array(measured["gaps_s"]) * 1000.0
+    elapsed = measured["elapsed_s"]
+    return {
+        "instances": args.instances,
+        "requests": args.requests,
+        "gen_length": args.gen_length,
+        "duration_s": round(elapsed, 2),
+        "overhead_ms": {"p50": float(np.percentile(gaps, 50)), "p90": float(np.percentile(gaps, 90)),
+                        "p99": float(np.percentile(gaps, 99)), "mean": float(gaps.mean()), "samples": int(gaps.size)},
+        "floor_ms": {"nats_rtt": float(np.percentile(nats_rtt, 50) * 1000), "redis_rtt": float(np.percentile(redis_rtt, 50) * 1000),
+                     "nats_rtt_p99": float(np.percentile(nats_rtt, 99) * 1000),
+                     "redis_rtt_p99": float(np.percentile(redis_rtt, 99) * 1000)},
+        "steps_per_s": measured["request_steps"] / elapsed,
+        "commands_per_s": measured["commands"] / elapsed,
+        "mean_batch": measured["request_steps"] / max(measured["commands"], 1),
+        "requests_finished": in_flight["done"],
+        "scheduler_counters": dict(scheduler.counters),
+    }
+
+
+async def scheduler_ready(scheduler, instances: int, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while len(scheduler.view.instances) < instances:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"only {len(scheduler.view.instances)} of {instances} instances joined")
+        await asyncio.sleep(0.05)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--instances", type=int, default=16)
+    p.add_argument("--requests", type=int, default=256, help="requests kept in flight")
+    p.add_argument("--max-batch", type=int, default=64, help="most requests per step on one instance")
+    p.add_argument("--gen-length", type=int, default=256, help="steps per request (the fake commits one token a step)")
+    p.add_argument("--warmup", type=float, default=3.0)
+    p.add_argument("--duration", type=float, default=10.0)
+    p.add_argument("--json", default=None)
+    p.add_argument("--workers-only", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--nats", help=argparse.SUPPRESS)
+    p.add_argument("--redis", help=argparse.SUPPRESS)
+    p.add_argument("--prefix", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.workers_only:
+        asyncio.run(run_workers(args))
+        return 0
+
+    from services.stack import Stack, start_nats, start_redis
+
+    prefix = f"cp{uuid.uuid4().hex[:8]}"
+    with tempfile.TemporaryDirectory() as tmp:
+        stack = Stack(Path(tmp))
+        nats_url, redis_url = f"nats://127.0.0.1:{free_port()}", f"redis://127.0.0.1:{free_port()}/0"
+        try:
+            start_nats(stack, nats_url)
+            start_redis(stack, redis_url)
+            worker_argv = [sys.executable, "-m", "bench.control_plane", "--workers-only", "--instances",
+                           str(args.instances), "--max-batch", str(args.max_batch), "--nats", nats_url, "--redis",
+                           redis_url, "--prefix", prefix]
+            env = dict(os.environ, OMP_NUM_THREADS="1")
+            workers = subprocess.Popen(worker_argv, env=env, stdout=subprocess.PIPE, text=True)
+            if "workers ready" not in (workers.stdout.readline() or ""):
+                raise RuntimeError("the worker process did not start")
+            report = asyncio.run(run_scheduler_and_load(args, nats_url, redis_url, prefix))
+            workers.wait(30)
+        finally:
+            if "workers" in locals() and workers.poll() is None:
+                workers.send_signal(signal.SIGKILL)
+            stack.stop()
+    floor = report["floor_ms"]
+    report["overhead_over_floor"] = report["overhead_ms"]["p50"] / (3 * floor["nats_rtt"] + floor["redis_rtt"])
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
