@@ -1,0 +1,180 @@
+"""Prometheus metrics of the services (prometheus-client), one registry per service object.
+
+Each service builds its metrics object with its own ``CollectorRegistry`` (so a test that runs a
+scheduler and two workers in one process sees each one's numbers), updates it from its loop, and
+exposes it with ``serve_metrics(registry, port, host)`` on ``DLS_METRICS_PORT`` (0: off); the
+gateway also serves ``/metrics`` on its HTTP app (``render``). Names (``docs/architecture.md``,
+"Observability"):
+
+- scheduler: ``dls_scheduler_requests_finished_total``, ``dls_scheduler_requests_slo_met_total``
+  (SLO attainment = their ratio), ``dls_scheduler_requests_rejected_total``,
+  ``dls_scheduler_request_latency_seconds`` (end to end, arrival to finish),
+  ``dls_scheduler_request_steps_total`` (request-steps; ``rate()`` = steps per second),
+  ``dls_scheduler_queue_depth``, ``dls_scheduler_requests_in_flight``, ``dls_scheduler_batch_size``,
+  ``dls_scheduler_step_threshold``, ``dls_scheduler_migrations_total``,
+  ``dls_scheduler_instances{tp}`` (instances per TP degree), ``dls_scheduler_predictor_error``
+  (``|predicted - actual| / actual`` remaining steps, at finish), ``dls_malformed_messages_total``;
+- worker (label ``instance``): ``dls_worker_steps_total`` (batched forwards), ``dls_worker_batch_size``,
+  ``dls_worker_step_seconds``, ``dls_worker_tokens_committed_total``, ``dls_worker_state_loads_total``,
+  ``dls_worker_resident_requests``, ``dls_malformed_messages_total``;
+- gateway: ``dls_gateway_http_requests_total{route,status}``, ``dls_gateway_http_request_seconds{route}``;
+- predictor: ``dls_predictor_queries_total``, ``dls_predictor_batch_size``; reconfigurator:
+  ``dls_reconfigurator_plans_total``; node agent: ``dls_node_agent_workers``,
+  ``dls_node_agent_restarts_total``; all: ``dls_malformed_messages_total{subject}``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client import start_http_server as _start_http_server
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CONTENT_TYPE_LATEST", "render", "serve_metrics"]
+
+LATENCY_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300)
+STEP_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+THRESHOLD_BUCKETS = (0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95, 1.0)
+ERROR_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 2, 5)
+
+
+def render(registry: CollectorRegistry) -> bytes:
+    """The Prometheus text exposition of ``registry`` (content type ``CONTENT_TYPE_LATEST``)."""
+    return generate_latest(registry)
+
+
+def serve_metrics(registry: CollectorRegistry, port: int, host: str = "127.0.0.1"):
+    """Serve ``registry`` on ``http://host:port/metrics`` in a daemon thread; None when ``port`` is 0.
+
+    Returns the HTTP server (``server.server_port`` is the bound port; ``shutdown()`` stops it). A port
+    that cannot be bound is logged and leaves metrics off: it must not stop the service from serving.
+    """
+    if not port:
+        return None
+    try:
+        server, _thread = _start_http_server(port, addr=host, registry=registry)
+    except OSError as exc:
+        logger.error("cannot serve metrics on %s:%d (%s); metrics are off", host, port, exc)
+        return None
+    logger.info("metrics on http://%s:%d/metrics", host, server.server_port)
+    return server
+
+
+def predictor_error(made_at_step: int, threshold_to_remaining: dict[float, int], mean_threshold: float | None,
+                    num_steps: int) -> float | None:
+    """``|predicted - actual| / actual`` remaining steps of a finished request.
+
+    The prediction was made at step ``made_at_step`` (threshold -> predicted remaining steps); the
+    request finished after ``num_steps`` steps at thresholds averaging ``mean_threshold``, so the
+    prediction compared is the one at the candidate threshold nearest that mean. None when there is
+    nothing to compare (no steps after the prediction, no candidates, no threshold).
+    """
+    actual = num_steps - made_at_step
+    if actual <= 0 or not threshold_to_remaining or mean_threshold is None:
+        return None
+    nearest = min(threshold_to_remaining, key=lambda t: (abs(t - mean_threshold), t))
+    return abs(threshold_to_remaining[nearest] - actual) / actual
+
+
+def _malformed(registry: CollectorRegistry) -> Counter:
+    return Counter("dls_malformed_messages", "messages dropped because they did not decode", ["subject"],
+                   registry=registry)
+
+
+class SchedulerMetrics:
+    """The step loop's numbers."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = r = registry or CollectorRegistry()
+        self.finished = Counter("dls_scheduler_requests_finished", "requests that finished", registry=r)
+        self.slo_met = Counter("dls_scheduler_requests_slo_met", "finished requests that met their SLO", registry=r)
+        self.rejected = Counter("dls_scheduler_requests_rejected", "requests rejected at admission", registry=r)
+        self.latency = Histogram("dls_scheduler_request_latency_seconds", "end-to-end latency, arrival to finish",
+                                 buckets=LATENCY_BUCKETS_S, registry=r)
+        self.steps = Counter("dls_scheduler_request_steps", "request-steps reported by workers", registry=r)
+        self.queue_depth = Gauge("dls_scheduler_queue_depth", "requests waiting in the admission queue", registry=r)
+        self.in_flight = Gauge("dls_scheduler_requests_in_flight", "requests admitted and not finished", registry=r)
+        self.batch_size = Histogram("dls_scheduler_batch_size", "requests per step command",
+                                    buckets=BATCH_BUCKETS, registry=r)
+        self.threshold = Histogram("dls_scheduler_step_threshold", "threshold each request-step ran at",
+                                   buckets=THRESHOLD_BUCKETS, registry=r)
+        self.migrations = Counter("dls_scheduler_migrations", "steps placed on another instance than the last",
+                                  registry=r)
+        self.instances = Gauge("dls_scheduler_instances", "live instances per TP degree", ["tp"], registry=r)
+        self.predictor_error = Histogram(
+            "dls_scheduler_predictor_error", "|predicted - actual| / actual remaining steps, measured at finish",
+            buckets=ERROR_BUCKETS, registry=r)
+        self.malformed = _malformed(r)
+
+    def set_instances(self, tp_to_count: dict[int, int]) -> None:
+        """Live instances per TP degree (degrees seen before and now gone read 0)."""
+        for tp in {int(s.labels["tp"]) for m in self.instances.collect() for s in m.samples} - set(tp_to_count):
+            self.instances.labels(tp=str(tp)).set(0)
+        for tp, count in tp_to_count.items():
+            self.instances.labels(tp=str(tp)).set(count)
+
+
+class WorkerMetrics:
+    """One instance's numbers (label ``instance``: its id)."""
+
+    def __init__(self, instance_id: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = r = registry or CollectorRegistry()
+        labels = ["instance"]
+        self.steps = Counter("dls_worker_steps", "batched forwards run", labels, registry=r).labels(instance_id)
+        self.batch_size = Histogram("dls_worker_batch_size", "requests per forward", labels,
+                                    buckets=BATCH_BUCKETS, registry=r).labels(instance_id)
+        self.step_seconds = Histogram("dls_worker_step_seconds", "step time (state load and save included)", labels,
+                                      buckets=STEP_BUCKETS_S, registry=r).labels(instance_id)
+        self.tokens = Counter("dls_worker_tokens_committed", "canvas positions committed", labels,
+                              registry=r).labels(instance_id)
+        self.loads = Counter("dls_worker_state_loads", "request states loaded from Redis (migrations, restarts)",
+                             labels, registry=r).labels(instance_id)
+        self.resident = Gauge("dls_worker_resident_requests", "requests whose local copy it holds", labels,
+                              registry=r).labels(instance_id)
+        self.malformed = _malformed(r)
+
+
+class GatewayMetrics:
+    """HTTP requests."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = r = registry or CollectorRegistry()
+        self.requests = Counter("dls_gateway_http_requests", "HTTP requests answered", ["route", "status"],
+                                registry=r)
+        self.seconds = Histogram("dls_gateway_http_request_seconds", "HTTP request time (streams: to the end)",
+                                 ["route"], buckets=LATENCY_BUCKETS_S, registry=r)
+        self.malformed = _malformed(r)
+
+
+class PredictorMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = r = registry or CollectorRegistry()
+        self.queries = Counter("dls_predictor_queries", "requests predicted", registry=r)
+        self.batch_size = Histogram("dls_predictor_batch_size", "queries per predict call", buckets=BATCH_BUCKETS,
+                                    registry=r)
+        self.malformed = _malformed(r)
+
+
+class ReconfiguratorMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = r = registry or CollectorRegistry()
+        self.plans = Counter("dls_reconfigurator_plans", "plans published", registry=r)
+        self.malformed = _malformed(r)
+
+
+class NodeAgentMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = r = registry or CollectorRegistry()
+        self.workers = Gauge("dls_node_agent_workers", "worker processes it manages", registry=r)
+        self.restarts = Counter("dls_node_agent_restarts", "workers restarted after exiting unasked", registry=r)
+        self.malformed = _malformed(r)
