@@ -1,0 +1,159 @@
+"""``dls loadgen``: open-loop load against a running gateway, with a report (JSON) and a figure (PNG).
+
+    dls loadgen --url http://127.0.0.1:8000 --rate 2 --num-requests 100 --json runs/load.json --plot runs/load.png
+    dls loadgen --trace tests/data/burstgpt_sample.csv --time-scale 10 --trace-model GPT-4 --json runs/trace.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from shared.cli import CliError
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("loadgen", help="open-loop load against a gateway; report in vLLM's metric names",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--url", default="http://127.0.0.1:8000", help="the gateway's base URL")
+    p.add_argument("--api-key", default=os.environ.get("DLS_API_KEY"), help="Bearer key (default: DLS_API_KEY)")
+    p.add_argument("--model", default="dls-tiny", help="the served model's name")
+    g = p.add_argument_group("arrivals")
+    g.add_argument("--arrival", default=None, choices=("poisson", "gamma", "constant", "ramp"),
+                   help="arrival process (default poisson; --trace replays a BurstGPT file instead)")
+    g.add_argument("--rate", type=float, default=1.0, help="mean requests per second (poisson, gamma, constant)")
+    g.add_argument("--num-requests", type=int, default=None,
+                   help="requests to send (at most; default 100, or every row of a --trace)")
+    g.add_argument("--duration", type=float, default=None, help="stop arrivals after this many seconds")
+    g.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma: shape of the gaps (vLLM's burstiness; 1 = Poisson, below 1 burstier)")
+    g.add_argument("--ramp-start-rps", type=float, default=1.0)
+    g.add_argument("--ramp-end-rps", type=float, default=10.0)
+    g.add_argument("--trace", default=None, help="BurstGPT CSV to replay (either column layout)")
+    g.add_argument("--time-scale", type=float, default=1.0, help="trace: seconds = (Timestamp - first) / this")
+    g.add_argument("--trace-model", action="append", default=[], help="trace: keep only this model (repeatable)")
+    g.add_argument("--keep-failures", action="store_true", help="trace: replay failed rows (0 response tokens) too")
+    g.add_argument("--save-trace", default=None, help="write the arrivals as a BurstGPT CSV (for dls sim --trace)")
+    g = p.add_argument_group("requests")
+    g.add_argument("--lengths", default=None, choices=("fixed", "sharegpt-like", "sharegpt"),
+                   help="fixed (default): --num-shots and --gen-len; sharegpt-like: synthetic ShareGPT lengths "
+                        "(a trace's own lengths with --trace); sharegpt: prompts from --sharegpt")
+    g.add_argument("--sharegpt", default=None, help="ShareGPT JSON file (implies --lengths sharegpt)")
+    g.add_argument("--num-shots", type=int, default=5, help="few-shot examples per task prompt")
+    g.add_argument("--gen-len", type=int, default=16, help="max_tokens (the mean or cap for other lengths)")
+    g.add_argument("--block-len", type=int, default=8, help="block_length")
+    g.add_argument("--family", default=None, choices=("add", "words"), help="only this task family")
+    g.add_argument("--slo-ms", type=float, default=None, help="every request's SLO (default: the gateway's)")
+    g.add_argument("--slo-class", action="append", default=[], metavar="NAME:FACTOR[:PRIO[:WEIGHT[:FLOOR]]]",
+                   help="an SLO class: SLO = FACTOR x --slo-ms, priority, share of requests, min_threshold")
+    g.add_argument("--cache", default=None, choices=("none", "prefix", "dual"), help="KV cache (default: gateway's)")
+    g.add_argument("--seed", type=int, default=0)
+    g = p.add_argument_group("sending and output")
+    g.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
+    g.add_argument("--no-stream", action="store_true", help="plain JSON answers (no TTFT, TPOT, ITL)")
+    g.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
+    g.add_argument("--warmup", type=int, default=0, help="send this many requests first (not reported)")
+    g.add_argument("--json", default=None, help="write the report here")
+    g.add_argument("--plot", default=None, help="write a PNG figure here")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--dry-run", action="store_true", help="print the plan's arrivals and exit")
+    p.set_defaults(func=cmd_loadgen)
+
+
+def spec_from_args(args):
+    from loadgen.workload import LoadSpec, WorkloadError, parse_slo_class
+
+    lengths = args.lengths or ("sharegpt" if args.sharegpt else "fixed")
+    try:
+        classes = tuple(parse_slo_class(text) for text in args.slo_class)
+    except WorkloadError as exc:
+        raise CliError(str(exc)) from None
+    if args.trace and args.arrival:
+        raise CliError("--arrival and --trace: give one (a trace brings its own arrival times)")
+    return LoadSpec(
+        arrival="burstgpt" if args.trace else (args.arrival or "poisson"), rate_rps=args.rate,
+        num_requests=args.num_requests or (10**9 if args.trace else 100), duration_s=args.duration, burstiness=args.burstiness,
+        ramp_start_rps=args.ramp_start_rps, ramp_end_rps=args.ramp_end_rps, trace_path=args.trace,
+        time_scale=args.time_scale, trace_models=tuple(args.trace_model), keep_failures=args.keep_failures,
+        lengths=lengths, sharegpt_path=args.sharegpt, num_shots=args.num_shots, gen_len=args.gen_len,
+        block_len=args.block_len, family=args.family, slo_ms=args.slo_ms, seed=args.seed,
+        **({"slo_classes": classes} if classes else {}),
+    )
+
+
+def cmd_loadgen(args) -> int:
+    import dataclasses
+
+    from loadgen.workload import WorkloadError, build_plan, write_burstgpt
+
+    spec = spec_from_args(args)
+    try:
+        plan = build_plan(spec)
+    except WorkloadError as exc:
+        raise CliError(str(exc)) from None
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise CliError("--max-concurrency: must be at least 1")
+    if args.save_trace:
+        write_burstgpt(plan, args.save_trace, args.model)
+    if args.dry_run:
+        print(json.dumps([{"arrival_s": p.arrival_s, "max_tokens": p.max_tokens, "slo_ms": p.slo_ms,
+                           "slo_class": p.slo_class, "prompt_chars": len(p.prompt)} for p in plan]))
+        return 0
+    config = {k: v for k, v in vars(args).items() if k not in ("func", "api_key")}
+    config["spec"] = {k: list(v) if isinstance(v, tuple) and k == "trace_models" else v
+                      for k, v in dataclasses.asdict(spec).items() if k != "slo_classes"}
+    config["spec"]["slo_classes"] = [dataclasses.asdict(c) for c in spec.slo_classes]
+    report = run(args, plan, config)
+    from loadgen.report import headline
+
+    print(headline(report), file=sys.stderr)
+    text = json.dumps({k: v for k, v in report.items() if k != "requests"}, indent=1)
+    print(text)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    if args.plot:
+        from loadgen.plot import plot_report
+
+        plot_report(report, args.plot)
+    return 0
+
+
+def run(args, plan, config: dict) -> dict:
+    """Warm-up (if asked), then the plan; the report."""
+    from loadgen.driver import poisson_plan, run_plan
+    from loadgen.report import build_report
+
+    common = dict(model=args.model, cache=args.cache, timeout_s=args.timeout, stream=not args.no_stream,
+                  max_concurrency=args.max_concurrency, api_key=args.api_key)
+    if args.warmup > 0:
+        warmup = poisson_plan(2.0, args.warmup, slo_ms=60_000.0, max_tokens=args.gen_len, seed=args.seed + 1)
+        asyncio.run(run_plan(args.url, warmup[: args.warmup], **common))
+    bar = None
+    if not args.no_progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(plan), desc="requests", unit="req", file=sys.stderr)
+
+    def progress(result) -> None:
+        if bar is not None:
+            bar.update(1)
+            if not result.finished:
+                bar.set_postfix_str(f"last error: {result.status} {result.error[:40]}")
+
+    start = time.perf_counter()
+    try:
+        results = asyncio.run(run_plan(args.url, plan, progress=progress, **common))
+    except KeyboardInterrupt:
+        raise CliError("interrupted") from None
+    finally:
+        if bar is not None:
+            bar.close()
+    first_sent = min((r.sent_s for r in results), default=0.0)
+    duration = time.perf_counter() - start - first_sent
+    return build_report(results, duration, config=config)
