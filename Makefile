@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test test-all lint bench train-model profile clean
+.PHONY: setup run test test-chaos test-all lint bench train-model profile clean
 
 setup: $(STAMP)
 
@@ -19,6 +19,11 @@ run: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# Fault injection (tests/chaos): workers, scheduler, gateway, a NATS node and Redis killed under load,
+# plus an overload burst; writes chaos-report.json and fails on any lost or duplicated request.
+test-chaos: setup
+	$(PY) -m tests.chaos
 
 test-all: setup
 	$(PY) -m pytest -q -m ''

@@ -26,11 +26,13 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from shared.cli import CliError
+from shared.settings import redact_urls
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 CPU_PROFILE = "profiles/dls-tiny-cpu.json"
 SERVICES = ("scheduler", "predictor", "reconfigurator", "node_agent", "gateway")  # start order
+METRICS_BASE_PORT = 9100  # /metrics of the services on one host: base + position in SERVICES (see metrics_env)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -186,6 +188,16 @@ def service_env(args, nats_url: str, redis_url: str) -> dict[str, str]:
     return env
 
 
+def metrics_env(env: dict[str, str], service: str) -> dict[str, str]:
+    """``env`` with the service's own ``DLS_METRICS_PORT`` on this host: the base port (``DLS_METRICS_PORT``
+    if set, 0 turns metrics off; else 9100) plus the service's position in ``SERVICES``. The node agent
+    comes last of those with a port, so its workers (agent port + 1 + slot) get the ports above; the
+    gateway serves ``/metrics`` on its HTTP port instead."""
+    base = int(env.get("DLS_METRICS_PORT", METRICS_BASE_PORT))
+    port = 0 if not base or service == "gateway" else base + SERVICES.index(service)
+    return {**env, "DLS_METRICS_PORT": str(port)}
+
+
 def wait_ready(url: str, stack: Stack, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     last = "no answer"
@@ -204,8 +216,24 @@ def wait_ready(url: str, stack: Stack, timeout_s: float) -> None:
                    f"logs in {stack.run_dir / 'logs'}")
 
 
+def _auth_line(env: dict[str, str]) -> str:
+    """What ``dls up`` says about API keys at start (never the keys themselves)."""
+    try:
+        keys = json.loads(env.get("DLS_GATEWAY_API_KEYS") or "[]")
+    except json.JSONDecodeError:
+        raise CliError("DLS_GATEWAY_API_KEYS: not a JSON list of keys") from None
+    if not isinstance(keys, list):
+        raise CliError("DLS_GATEWAY_API_KEYS: not a JSON list of keys")
+    if keys:
+        return (f"API keys: {len(keys)} configured (DLS_GATEWAY_API_KEYS): every endpoint but /healthz and "
+                "/readyz needs 'Authorization: Bearer <key>'")
+    return ("API keys: none configured: the gateway is open to anyone who can reach it (set "
+            "DLS_GATEWAY_API_KEYS to a JSON list of keys to require one)")
+
+
 def _up(args) -> int:
-    nats_url = os.environ.get("DLS_NATS_URL", DEFAULT_NATS_URL).split(",")[0]
+    nats_urls = os.environ.get("DLS_NATS_URL", DEFAULT_NATS_URL)
+    nats_url = nats_urls.split(",")[0]  # the server it checks (and starts when nothing answers)
     redis_url = os.environ.get("DLS_REDIS_URL", DEFAULT_REDIS_URL)
     if not Path(args.model, "config.json").exists():
         raise CliError(f"--model: {args.model} has no config.json")
@@ -224,13 +252,14 @@ def _up(args) -> int:
     try:
         for url, port, start, name in ((nats_url, 4222, start_nats, "NATS"), (redis_url, 6379, start_redis, "Redis")):
             if _listening(url, port):
-                print(f"{name}: using the server at {url}", flush=True)
+                print(f"{name}: using the server at {redact_urls(url)}", flush=True)
             else:
-                print(f"{name}: starting a server at {url}", flush=True)
+                print(f"{name}: starting a server at {redact_urls(url)}", flush=True)
                 start(stack, url)
-        env = service_env(args, nats_url, redis_url)
+        env = service_env(args, nats_urls, redis_url)  # the services get every server of a cluster
+        print(_auth_line(env), flush=True)
         for service in SERVICES:
-            stack.spawn(service, [sys.executable, "-m", f"services.{service}"], env)
+            stack.spawn(service, [sys.executable, "-m", f"services.{service}"], metrics_env(env, service))
         url = f"http://{args.host}:{args.port}"
         print(f"waiting for the gateway at {url} (logs in {stack.run_dir / 'logs'}) ...", flush=True)
         wait_ready(url, stack, args.ready_timeout)

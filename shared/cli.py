@@ -17,6 +17,7 @@ _SUBCOMMAND_MODULES = (
     "services.predictor.cli",  # collect-traces, train-predictor
     "sim.cli",  # sim, compare, capacity
     "services.stack",  # up
+    "loadgen.cli",  # loadgen
 )
 
 

@@ -41,6 +41,10 @@ class ServiceSettings(BaseSettings):
                                    description="largest encoded message a service publishes or accepts")
     log_level: str = Field("INFO", description="logging level name")
     otel_endpoint: str | None = Field(None, description="OTLP endpoint for traces; unset: no export")
+    metrics_port: int = Field(0, ge=0, le=65535, description="port of the Prometheus /metrics endpoint; 0: off")
+    metrics_host: str = Field("127.0.0.1", description="address the /metrics endpoint binds")
+    intake_replicas: int = Field(1, gt=0, le=5,
+                                 description="JetStream replicas of the intake stream (3 on a 3-node NATS cluster)")
 
     @field_validator("subject_prefix")
     @classmethod
@@ -79,6 +83,14 @@ class GatewaySettings(ServiceSettings):
     max_messages: int = _own("gateway", "max_messages", 256, "most chat messages in one request", gt=0)
     retry_after_s: int = _own("gateway", "retry_after_s", 2,
                               "Retry-After (s) of 429 (SLO infeasible now) and 503 (no instance) answers", ge=0)
+    rate_limit_per_min: int = _own("gateway", "rate_limit_per_min", 0,
+                                   "completions one API key (or, without keys, one client address) may send per "
+                                   "minute, counted in Redis; 0: no limit", ge=0)
+    max_in_flight: int = _own("gateway", "max_in_flight", 1024,
+                              "most requests this gateway holds open at once; more get 429 with Retry-After", gt=0)
+    result_poll_s: float = _own("gateway", "result_poll_s", 5.0,
+                                "a request that heard no event for this long is looked up in Redis (delivers a "
+                                "result whose final event was lost)", gt=0)
 
 
 class SchedulerSettings(ServiceSettings):
@@ -100,6 +112,9 @@ class SchedulerSettings(ServiceSettings):
     stats_interval_s: float = _own("scheduler", "stats_interval_s", 10.0, "period of workload stats", gt=0)
     completed_ttl_s: float = _own("scheduler", "completed_ttl_s", DEFAULT_COMPLETED_TTL_S,
                                   "finished requests stay in Redis this long", gt=0)
+    step_timeout_s: float = _own("scheduler", "step_timeout_s", 120.0,
+                                 "a step whose results have not come back after this long is lost (command or "
+                                 "results dropped): its requests resume from Redis", gt=0)
 
 
 class WorkerSettings(ServiceSettings):
@@ -186,6 +201,21 @@ SERVICE_SETTINGS: dict[str, type[ServiceSettings]] = {  # service name -> its se
     "reconfigurator": ReconfiguratorSettings,
     "node-agent": NodeAgentSettings,
 }
+
+
+def redact_urls(urls: str) -> str:
+    """``urls`` (comma-separated) with any password replaced by ``***``, for logs and error messages."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    out = []
+    for url in urls.split(","):
+        parts = urlsplit(url.strip())
+        if parts.password is not None or (parts.username and "@" in parts.netloc):
+            host = parts.netloc.rsplit("@", 1)[1]
+            user = parts.username or ""
+            parts = parts._replace(netloc=f"{user}:***@{host}" if parts.password is not None else f"***@{host}")
+        out.append(urlunsplit(parts))
+    return ",".join(out)
 
 
 def env_vars(settings_cls: type[BaseSettings]) -> dict[str, str]:

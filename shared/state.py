@@ -89,6 +89,8 @@ class RequestRecord(msgspec.Struct, frozen=True, kw_only=True):
     finish_reason: str = ""  # "stop" (EOS) or "length" once finished
     finished_at: float | None = None  # unix time (s) it reached a terminal status
     detail: str = ""  # why it was rejected or cancelled
+    trace_context: str = ""  # W3C traceparent of its admission span: the parent of its spans ("" when not traced)
+    owner: str = ""  # hash of the API key that created it (never the key); "": created without keys
 
     @property
     def is_terminal(self) -> bool:
@@ -366,6 +368,23 @@ return redis.call('LLEN', KEYS[2])
 """
 
 
+REDIS_RETRIES = 8  # a call is retried this often on a dropped connection (about 15 s with the back-off)
+REDIS_BACKOFF_CAP_S = 4.0  # longest pause between two retries
+REDIS_BACKOFF_BASE_S = 0.05  # first pause; doubles per retry
+
+
+def redis_client(url: str, **kwargs):
+    """A ``redis.asyncio.Redis`` that rides out a Redis restart: calls that hit a dropped connection
+    (``ConnectionError``, ``TimeoutError``) reconnect and retry with exponential back-off."""
+    import redis.asyncio as aioredis
+    from redis.asyncio.retry import Retry
+    from redis.backoff import ExponentialBackoff
+
+    retry = Retry(ExponentialBackoff(cap=REDIS_BACKOFF_CAP_S, base=REDIS_BACKOFF_BASE_S), REDIS_RETRIES)
+    kwargs.setdefault("health_check_interval", 10)
+    return aioredis.from_url(url, decode_responses=False, retry=retry, **kwargs)
+
+
 class RedisStateStore:
     """The ``StateStore`` on Redis (``redis.asyncio``); batch calls are one pipelined round trip."""
 
@@ -381,9 +400,7 @@ class RedisStateStore:
     @classmethod
     def from_url(cls, url: str, prefix: str = "dls",
                  completed_ttl_s: float = DEFAULT_COMPLETED_TTL_S) -> RedisStateStore:
-        import redis.asyncio as aioredis
-
-        return cls(aioredis.from_url(url, decode_responses=False), prefix, completed_ttl_s)
+        return cls(redis_client(url), prefix, completed_ttl_s)
 
     # keys
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import csv
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -68,6 +68,8 @@ class WorkloadConfig:
     cv: float = 2.0  # gamma arrivals
     trace_path: str | None = None  # burstgpt CSV
     time_scale: float = 1.0  # burstgpt: virtual seconds = (timestamp - first) / time_scale
+    trace_models: tuple[str, ...] = ()  # burstgpt: keep only rows of these models (empty: all)
+    trace_keep_failures: bool = False  # burstgpt: keep failed rows (Response tokens 0) too
     peak_to_mean: float = 2.5  # burstgpt-like: peak rate / mean rate
     period_s: float = 600.0  # burstgpt-like: length of one quiet-peak-quiet cycle
     lengths: str = "fixed"  # LENGTHS name
@@ -120,7 +122,7 @@ def burstgpt_like_arrivals(config: WorkloadConfig, rate: float, rng: np.random.G
 
 
 def burstgpt_csv_arrivals(config: WorkloadConfig, rate: float, rng: np.random.Generator) -> np.ndarray:
-    rows = read_burstgpt(config.trace_path)
+    rows = read_burstgpt(config.trace_path, models=config.trace_models, keep_failures=config.trace_keep_failures)
     return _cap(np.array([r[0] for r in rows]) / config.time_scale, config)
 
 
@@ -140,12 +142,14 @@ class TraceError(ValueError):
     """A BurstGPT file that cannot be read; the message names the file and the field."""
 
 
-def read_burstgpt(path: str | Path | None) -> list[tuple[float, int, int]]:
+def read_burstgpt(path: str | Path | None, *, models: Collection[str] = (),
+                  keep_failures: bool = False) -> list[tuple[float, int, int]]:
     """(seconds from the first request, request tokens, response tokens), failures dropped.
 
     Accepts ``Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type`` (BurstGPT_1/2)
     and the layout with ``Session ID,Elapsed time`` after ``Timestamp`` (BurstGPT_3): columns are
-    found by name, so their order does not matter.
+    found by name, so their order does not matter. ``models``: keep only rows whose ``Model`` is one
+    of these (empty: every model); ``keep_failures``: keep rows with 0 response tokens too.
     """
     if path is None:
         raise TraceError("arrival 'burstgpt' needs a trace file (--trace)")
@@ -162,12 +166,15 @@ def read_burstgpt(path: str | Path | None) -> list[tuple[float, int, int]]:
                     ts, req, resp = float(row["Timestamp"]), int(row["Request tokens"]), int(row["Response tokens"])
                 except (TypeError, ValueError):
                     raise TraceError(f"{path}:{line}: bad Timestamp/Request tokens/Response tokens") from None
-                if resp > 0:  # response tokens 0 marks a failed request
+                if models and row.get("Model") not in models:
+                    continue
+                if resp > 0 or keep_failures:  # response tokens 0 marks a failed request
                     rows.append((ts, req, resp))
     except FileNotFoundError:
         raise TraceError(f"trace file not found: {path}") from None
     if not rows:
-        raise TraceError(f"{path}: no successful requests")
+        kept = f" of model(s) {', '.join(models)}" if models else ""
+        raise TraceError(f"{path}: no {'' if keep_failures else 'successful '}requests{kept}")
     rows.sort()
     first = rows[0][0]
     return [(ts - first, req, resp) for ts, req, resp in rows]
@@ -248,7 +255,8 @@ def generate(config: WorkloadConfig, rate_rps: float, base_latency_s: float) -> 
     """
     rng = np.random.default_rng([config.seed, int(round(rate_rps * 1000))])
     times = ARRIVALS.get(config.arrival)(config, rate_rps, rng)
-    trace_rows = read_burstgpt(config.trace_path) if config.arrival == "burstgpt" else None
+    trace_rows = (read_burstgpt(config.trace_path, models=config.trace_models,
+                                keep_failures=config.trace_keep_failures) if config.arrival == "burstgpt" else None)
     shapes = LENGTHS.get(config.lengths)(config, len(times), rng, trace_rows)
     classes = config.slo_classes
     weights = np.array([c.weight for c in classes], dtype=float)

@@ -10,12 +10,14 @@ events when ``stream`` is set. No torch: the gateway never loads weights.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import anyio
+import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -23,10 +25,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.gateway.answers import DONE, StreamFormatter, final_answer, model_card, request_info
 from services.gateway.bus import Bus, BusUnavailableError, GatewayBus
+from services.gateway.dashboard import mount_dashboard
 from services.gateway.edge import ApiKeyMiddleware, BodyLimitMiddleware
 from services.gateway.errors import SERVER_ERROR, ApiError, error_body, failure_error, invalid
 from services.gateway.models import ModelCatalogue, UnknownModelError, load_served_model
+from services.gateway.observability import install_observability, intake_headers
 from services.gateway.prepare import PreparedRequest, RequestPreparer, new_request_id
+from services.gateway.recovery import TrackedEvents, event_from_record
 from services.gateway.schemas import (
     ChatCompletionBody,
     CompletionBody,
@@ -34,6 +39,7 @@ from services.gateway.schemas import (
     ModelList,
     RequestInfo,
 )
+from services.gateway.security import Admission, RedisRateLimiter, caller, rate_identity
 from services.gateway.slo import load_slo_estimator
 from shared.messages.codec import PayloadTooLargeError
 from shared.messages.control import WorkerStatus
@@ -48,7 +54,6 @@ from shared.settings import GatewaySettings
 
 logger = logging.getLogger(__name__)
 
-TRACE_HEADERS = ("traceparent", "tracestate")  # forwarded to the intake message (OpenTelemetry)
 CANCEL_WAIT_S = 2.0  # most time spent publishing a cancellation for a client that left
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away first" (never seen by it)
 MAX_REQUEST_ID_CHARS = 200
@@ -59,17 +64,33 @@ ERROR_RESPONSES = {status: {"model": ErrorResponse} for status in (400, 401, 404
 class Gateway:
     """The request handling behind the routes: prepare, submit, answer."""
 
-    def __init__(self, settings: GatewaySettings, preparer: RequestPreparer, bus: Bus) -> None:
+    def __init__(self, settings: GatewaySettings, preparer: RequestPreparer, bus: Bus,
+                 rate_limiter: RedisRateLimiter | None = None) -> None:
         self.settings = settings
         self.preparer = preparer
         self.bus = bus
+        self.rate_limiter = rate_limiter  # per-key limit in Redis (None: no limit)
+        self.admission = Admission(settings.max_in_flight, settings.retry_after_s)
 
     # --- completions --------------------------------------------------------------------------
 
     async def complete(self, body: CompletionBody | ChatCompletionBody, request: Request) -> Response:
-        prepared = self.preparer.prepare(body, new_request_id(), time.time())
-        trace = {name: request.headers[name] for name in TRACE_HEADERS if name in request.headers}
-        events = self.bus.submit(prepared.request, trace or None)
+        if self.rate_limiter is not None:
+            await self.rate_limiter.check(rate_identity(request))
+        self.admission.enter()  # 429 when this gateway holds max_in_flight requests already
+        try:
+            prepared = self.preparer.prepare(body, new_request_id(), time.time())
+            owner = caller(request)
+            if owner:
+                prepared = dataclasses.replace(prepared, request=msgspec.structs.replace(prepared.request,
+                                                                                          owner=owner))
+        except BaseException:
+            self.admission.leave()
+            raise
+        trace = intake_headers(prepared.request)  # the trace continues in the scheduler (observability.py)
+        events = TrackedEvents(self.bus.submit(prepared.request, trace or None), prepared.request_id,
+                               lambda rid: self._stored_event(rid, prepared), self.settings.result_poll_s,
+                               self.admission.leave)
         deadline = asyncio.get_running_loop().time() + self.settings.request_timeout_s
         answer = self._open_stream if prepared.request.stream else self._answer
         return await self._unless_client_leaves(request, prepared, answer(prepared, events, deadline))
@@ -175,7 +196,12 @@ class Gateway:
 
     # --- state and health ---------------------------------------------------------------------
 
-    async def request_state(self, request_id: str) -> dict:
+    async def _stored_event(self, request_id: str, prepared: PreparedRequest) -> RequestEvent | None:
+        """The terminal event Redis holds for a request whose final event did not come (else None)."""
+        loaded = await self.bus.load_request(request_id)
+        return None if loaded is None else event_from_record(loaded[0], prepared.model.codec)
+
+    async def request_state(self, request_id: str, owner: str = "") -> dict:
         loaded = None
         if len(request_id) <= MAX_REQUEST_ID_CHARS:
             try:
@@ -183,6 +209,8 @@ class Gateway:
             except BusUnavailableError as exc:
                 raise ApiError(503, str(exc), None, "unavailable", SERVER_ERROR,
                                {"Retry-After": str(self.settings.retry_after_s)}) from None
+        if loaded is not None and self.settings.api_keys and loaded[0].owner != owner:
+            loaded = None  # another key's request: as unknown as one that never existed
         if loaded is None:
             raise ApiError(404, f"request {request_id} not found (unknown, or expired after it finished)",
                            "request_id", "request_not_found")
@@ -280,21 +308,33 @@ def _install_error_handlers(app: FastAPI) -> None:
 # --- the app -------------------------------------------------------------------------------------
 
 
-def create_app(settings: GatewaySettings, bus: Bus | None = None) -> FastAPI:
-    """The gateway app; ``bus``: a started ``Bus`` owned by the caller, or None for a ``GatewayBus``."""
+def create_app(settings: GatewaySettings, bus: Bus | None = None,
+               rate_limiter: RedisRateLimiter | None = None) -> FastAPI:
+    """The gateway app; ``bus``: a started ``Bus`` owned by the caller, or None for a ``GatewayBus``;
+    ``rate_limiter``: a started one owned by the caller, or None for one on ``DLS_REDIS_URL`` when
+    ``DLS_GATEWAY_RATE_LIMIT_PER_MIN`` is set."""
     model = load_served_model(settings.model_dir, settings.default_gen_length, settings.default_block_length)
     estimator = load_slo_estimator(model.directory, settings.profile, settings.default_slo_factor,
                                    settings.min_default_slo_ms, settings.profile_scale)
     own_bus = GatewayBus(settings) if bus is None else None
-    gateway = Gateway(settings, RequestPreparer(settings, ModelCatalogue([model]), estimator), bus or own_bus)
+    own_limiter = None
+    if rate_limiter is None and settings.rate_limit_per_min > 0:
+        own_limiter = RedisRateLimiter(settings.redis_url, settings.redis_key_prefix, settings.rate_limit_per_min,
+                                       settings.retry_after_s)
+    gateway = Gateway(settings, RequestPreparer(settings, ModelCatalogue([model]), estimator), bus or own_bus,
+                      rate_limiter or own_limiter)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         if own_bus is not None:
             await own_bus.start()
+        if own_limiter is not None:
+            await own_limiter.start()
         try:
             yield
         finally:
+            if own_limiter is not None:
+                await own_limiter.close()
             if own_bus is not None:
                 await own_bus.close()
 
@@ -303,7 +343,8 @@ def create_app(settings: GatewaySettings, bus: Bus | None = None) -> FastAPI:
     app.state.gateway = gateway
     _install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
-    app.add_middleware(ApiKeyMiddleware, api_keys=settings.api_keys)  # added last: runs first
+    app.add_middleware(ApiKeyMiddleware, api_keys=settings.api_keys)
+    install_observability(app)  # added last: runs first (server span, request metrics, GET /metrics)
 
     @app.post("/v1/completions", response_model=None, responses=ERROR_RESPONSES)
     async def completions(body: CompletionBody, request: Request) -> Response:
@@ -320,9 +361,9 @@ def create_app(settings: GatewaySettings, bus: Bus | None = None) -> FastAPI:
         return ModelList(data=[model_card(m) for m in gateway.preparer.catalogue.models])
 
     @app.get("/v1/requests/{request_id}", response_model=RequestInfo, responses=ERROR_RESPONSES)
-    async def get_request(request_id: str) -> dict:
+    async def get_request(request_id: str, request: Request) -> dict:
         """A request's state from the request-state store (also after a 504)."""
-        return await gateway.request_state(request_id)
+        return await gateway.request_state(request_id, caller(request))
 
     @app.get("/healthz")
     async def healthz() -> dict:
@@ -335,4 +376,5 @@ def create_app(settings: GatewaySettings, bus: Bus | None = None) -> FastAPI:
         ready, body = await gateway.readiness()
         return JSONResponse(body, status_code=200 if ready else 503)
 
+    mount_dashboard(app, gateway)  # /dashboard, /requests/{id}, /v1/cluster, /v1/requests/{id}/timeline
     return app

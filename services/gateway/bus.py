@@ -33,8 +33,8 @@ from shared.messages.codec import CodecError, PayloadTooLargeError, decode, enco
 from shared.messages.control import WorkerHeartbeat
 from shared.messages.events import RequestEvent
 from shared.messages.intake import CancelRequest, CompletionRequest
-from shared.settings import ServiceSettings
-from shared.state import RedisStateStore, RequestRecord, StateError, StepRecord
+from shared.settings import ServiceSettings, redact_urls
+from shared.state import RedisStateStore, RequestRecord, StateError, StepRecord, redis_client
 from shared.subjects import Subjects
 
 logger = logging.getLogger(__name__)
@@ -103,10 +103,8 @@ class GatewayBus:
     # --- lifecycle ----------------------------------------------------------------------------
 
     async def start(self) -> None:
-        import redis.asyncio as aioredis
-
-        self._redis = aioredis.from_url(self.settings.redis_url, decode_responses=False,
-                                        socket_connect_timeout=REDIS_TIMEOUT_S, socket_timeout=REDIS_TIMEOUT_S)
+        self._redis = redis_client(self.settings.redis_url, socket_connect_timeout=REDIS_TIMEOUT_S,
+                                   socket_timeout=REDIS_TIMEOUT_S)
         self._store = RedisStateStore(self._redis, self.settings.redis_key_prefix)
         self._connect_task = asyncio.create_task(self._connect(), name="gateway-nats-connect")
 
@@ -145,7 +143,7 @@ class GatewayBus:
         self._js = self._nc.jetstream()
         while True:
             try:
-                await ensure_intake_stream(self._js, self.subjects)
+                await ensure_intake_stream(self._js, self.subjects, num_replicas=self.settings.intake_replicas)
             except (nats.errors.Error, TimeoutError, IntakeError) as exc:
                 if self._intake_problem != str(exc):
                     logger.error("intake stream %s is not usable, retrying: %s", self.subjects.intake_stream, exc)
@@ -158,7 +156,8 @@ class GatewayBus:
 
     async def _on_nats_error(self, exc: Exception) -> None:
         if not self._nats_down_logged:
-            logger.warning("NATS at %s: %s (retrying quietly)", self.settings.nats_url, exc or type(exc).__name__)
+            logger.warning("NATS at %s: %s (retrying quietly)", redact_urls(self.settings.nats_url),
+                           exc or type(exc).__name__)
             self._nats_down_logged = True
 
     async def _on_disconnected(self) -> None:
@@ -274,5 +273,5 @@ class GatewayBus:
 
     def _problem(self) -> str:
         if not self._nc.is_connected:
-            return f"not connected to {self.settings.nats_url}"
+            return f"not connected to {redact_urls(self.settings.nats_url)}"
         return self._intake_problem or "intake stream not ready"

@@ -12,6 +12,7 @@ import secrets
 from collections.abc import Awaitable, Callable, Sequence
 
 from services.gateway.errors import ApiError
+from services.gateway.security import STATE_KEY, key_hash
 
 Scope = dict
 Message = dict
@@ -19,7 +20,7 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-PROTECTED_PREFIX = "/v1/"  # paths that need a key when keys are configured
+OPEN_PATHS = frozenset({"/healthz", "/readyz"})  # the health checks: the only paths open once keys are set
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 
 
@@ -39,21 +40,26 @@ def _header(scope: Scope, name: bytes) -> str | None:
 
 
 class ApiKeyMiddleware:
-    """``Authorization: Bearer <key>`` on /v1/* when keys are configured (401 otherwise)."""
+    """``Authorization: Bearer <key>`` on every path but the health checks when keys are configured
+    (401 otherwise). The caller's identity (``security.key_hash`` of its key, never the key) goes into
+    the ASGI scope's state for the routes (request ownership, rate limits)."""
 
     def __init__(self, app: ASGIApp, api_keys: Sequence[str]) -> None:
         self.app = app
         self.api_keys = [key.encode() for key in api_keys]
+        self._hashes = {key.encode(): key_hash(key) for key in api_keys}  # key -> its identity
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and self.api_keys and scope["path"].startswith(PROTECTED_PREFIX):
+        if scope["type"] == "http" and self.api_keys and scope["path"] not in OPEN_PATHS:
             error = self._check(_header(scope, b"authorization"))
-            if error is not None:
+            if isinstance(error, ApiError):
                 await send_error(send, error)
                 return
+            scope.setdefault("state", {})[STATE_KEY] = self._hashes[error]
         await self.app(scope, receive, send)
 
-    def _check(self, authorization: str | None) -> ApiError | None:
+    def _check(self, authorization: str | None) -> ApiError | bytes:
+        """The accepted key that ``authorization`` carries, or the 401 to answer."""
         headers = {"WWW-Authenticate": "Bearer"}
         if not authorization:
             return ApiError(401, "missing API key: send 'Authorization: Bearer <key>'", None, "missing_api_key",
@@ -64,9 +70,10 @@ class ApiKeyMiddleware:
                             headers=headers)
         candidate = key.strip().encode()
         # Compare with every key (constant time each), so timing does not tell which keys exist.
-        if not any([secrets.compare_digest(candidate, accepted) for accepted in self.api_keys]):
+        matches = [secrets.compare_digest(candidate, accepted) for accepted in self.api_keys]
+        if not any(matches):
             return ApiError(401, "incorrect API key", None, "invalid_api_key", headers=headers)
-        return None
+        return self.api_keys[matches.index(True)]
 
 
 class BodyLimitMiddleware:

@@ -45,8 +45,10 @@ from shared.messages.control import (
     WorkerHeartbeat,
     WorkerStatus,
 )
+from shared.metrics import NodeAgentMetrics, serve_metrics
 from shared.settings import NodeAgentSettings
 from shared.subjects import SubjectError, Subjects, check_id
+from shared.telemetry import extract_context, setup_tracing, shutdown_tracing, tracer
 
 logger = logging.getLogger("dls.node_agent")
 
@@ -159,6 +161,9 @@ class NodeAgent:
         self._closing = False
         self._plan_task: asyncio.Task | None = None
         self._subscriptions: list = []
+        self.metrics = NodeAgentMetrics()
+        self.metrics.workers.set_function(lambda: len(self.workers))
+        self._tracer = tracer("dls.node_agent")
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -210,7 +215,18 @@ class NodeAgent:
         })
         if s.otel_endpoint:
             env["DLS_OTEL_ENDPOINT"] = s.otel_endpoint
+        if "OTEL_SERVICE_NAME" in env:  # the agent's own name is inherited otherwise
+            env["OTEL_SERVICE_NAME"] = "dls-worker"
+        env["DLS_METRICS_PORT"] = str(self.worker_metrics_port(worker))
+        env["DLS_METRICS_HOST"] = s.metrics_host
         return env
+
+    def worker_metrics_port(self, worker: Worker) -> int:
+        """The worker's /metrics port: the agent's plus one plus its first GPU's position among the agent's
+        GPUs (slots never share a GPU, so no two workers share a port); 0 when the agent serves none."""
+        if not self.settings.metrics_port:
+            return 0
+        return self.settings.metrics_port + 1 + self.gpu_ids.index(min(worker.gpu_ids))
 
     def log_path(self, worker: Worker) -> Path:
         return self.log_dir / f"{worker.instance_id}.log"
@@ -251,6 +267,7 @@ class NodeAgent:
             if worker.stopping or self._closing or self.workers.get(worker.instance_id) is not worker:
                 return
             self.num_restarts += 1
+            self.metrics.restarts.inc()
             await self._spawn(worker)
 
     async def _stop(self, worker: Worker) -> None:
@@ -311,6 +328,7 @@ class NodeAgent:
             beat = codec.decode(WorkerHeartbeat, msg.data, self.settings.max_payload_bytes)
         except codec.CodecError as exc:
             self.num_malformed += 1
+            self.metrics.malformed.labels(subject="heartbeat").inc()
             logger.debug("ignoring a malformed heartbeat: %s", exc)
             return
         worker = self.workers.get(beat.instance_id)
@@ -329,6 +347,7 @@ class NodeAgent:
             plan = codec.decode(ReconfigPlan, msg.data, self.settings.max_payload_bytes)
         except codec.CodecError as exc:
             self.num_malformed += 1
+            self.metrics.malformed.labels(subject="plans").inc()
             logger.error("dropping a malformed plan: %s", exc)
             return
         node_plan = next((n for n in plan.nodes if n.node == self.node), None)
@@ -339,12 +358,17 @@ class NodeAgent:
             await self._ack(plan.plan_id, PlanAckStatus.REJECTED, detail=reason)
             return
         self.applying = plan.plan_id
-        self._plan_task = asyncio.create_task(self._run_plan(plan.plan_id, node_plan), name=f"plan {plan.plan_id}")
+        self._plan_task = asyncio.create_task(self._run_plan(plan.plan_id, node_plan, extract_context(msg.headers)),
+                                              name=f"plan {plan.plan_id}")
 
-    async def _run_plan(self, plan_id: str, node_plan: NodePlan) -> None:
+    async def _run_plan(self, plan_id: str, node_plan: NodePlan, parent=None) -> None:
+        # a child of the reconfigurator's plan span (NATS headers)
+        span = self._tracer.start_span("node_agent.apply_plan", context=parent,
+                                       attributes={"dls.plan_id": plan_id, "dls.node": self.node})
         try:
             started, stopped, problems = await self.apply(node_plan)
             status = ack_status(len(started) + len(stopped), problems)
+            span.set_attribute("dls.ack_status", PlanAckStatus(status).name)
             await self._ack(plan_id, status, started, stopped, "; ".join(problems))
         except asyncio.CancelledError:
             await self._ack(plan_id, PlanAckStatus.PARTIAL, detail="the agent shut down while applying the plan")
@@ -354,6 +378,7 @@ class NodeAgent:
             await self._ack(plan_id, PlanAckStatus.FAILED, detail=f"{type(exc).__name__}: {exc}")
         finally:
             self.applying = None
+            span.end()
 
     async def apply(self, node_plan: NodePlan) -> tuple[list[str], list[str], list[str]]:
         """Stops, then starts: (started instance ids, stopped instance ids, problems)."""
@@ -420,6 +445,8 @@ async def serve(settings: NodeAgentSettings) -> None:
     import nats
 
     agent = NodeAgent(settings, None)  # bad settings fail before anything starts
+    setup_tracing("dls-node-agent", settings)
+    serve_metrics(agent.metrics.registry, settings.metrics_port, settings.metrics_host)
     agent.nc = await nats.connect(settings.nats_url.split(","), max_reconnect_attempts=-1,
                                   name=f"dls-node-agent-{settings.node}")
     stop = asyncio.Event()
@@ -432,3 +459,4 @@ async def serve(settings: NodeAgentSettings) -> None:
     finally:
         await agent.shutdown()
         await agent.nc.drain()
+        shutdown_tracing()

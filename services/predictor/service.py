@@ -23,6 +23,8 @@ import signal
 from dataclasses import dataclass
 from pathlib import Path
 
+from opentelemetry.trace import SpanKind
+
 from services.predictor.adapters import ONE_SHOT_DIR
 from services.predictor.core.model import RECOMPUTE_FILE, TOTAL_FILE, StepModel
 from services.predictor.core.predictor import InProcessPredictor, OneShotPredictor, Predictor
@@ -36,8 +38,10 @@ from shared.messages.predictor import (
     RemainingSteps,
     StepPrediction,
 )
+from shared.metrics import PredictorMetrics, serve_metrics
 from shared.settings import PredictorSettings
 from shared.subjects import Subjects
+from shared.telemetry import extract_context, setup_tracing, shutdown_tracing, tracer
 
 logger = logging.getLogger("dls.predictor")
 
@@ -105,6 +109,8 @@ class PredictorService:
         self.num_malformed = 0  # payloads that did not decode as a PredictRequest
         self._loaded: dict[bool, LoadedPredictor] = {}  # one_shot -> predictor
         self._subscription = None
+        self.metrics = PredictorMetrics()
+        self._tracer = tracer("dls.predictor")
 
     def load_models(self) -> None:
         """Load the predictor the mode needs up front, so a broken model directory fails at start."""
@@ -135,7 +141,10 @@ class PredictorService:
         if not msg.reply:
             logger.warning("dropping a predict message without a reply subject (use request/reply)")
             return
-        reply = await self.answer(msg.data)
+        # a child of the scheduler's predict span (NATS headers), in the trace of the batch's first request
+        with self._tracer.start_as_current_span("predictor.predict", context=extract_context(msg.headers),
+                                                kind=SpanKind.SERVER):
+            reply = await self.answer(msg.data)
         try:
             await msg.respond(codec.encode(reply, self.settings.max_payload_bytes))
         except codec.PayloadTooLargeError as exc:
@@ -150,6 +159,7 @@ class PredictorService:
         except codec.CodecError as exc:
             self.num_malformed += 1
             self.num_errors += 1
+            self.metrics.malformed.labels(subject="predict").inc()
             logger.error("malformed predict request (%d so far): %s", self.num_malformed, exc)
             return PredictReply(error=str(exc))
         one_shot = request.one_shot or self.settings.mode == "one-shot"
@@ -163,6 +173,8 @@ class PredictorService:
             logger.exception("prediction failed for %d queries", len(request.queries))
             return PredictReply(error=f"{type(exc).__name__}: {exc}")
         self.num_requests += 1
+        self.metrics.queries.inc(len(request.queries))
+        self.metrics.batch_size.observe(len(request.queries))
         return PredictReply(predictions=[to_wire_prediction(p) for p in predictions], model_version=version)
 
     def _predict(self, one_shot: bool, queries: list[CoreQuery],
@@ -175,8 +187,10 @@ async def serve(settings: PredictorSettings) -> None:
     """Run until SIGTERM or SIGINT."""
     import nats
 
+    setup_tracing("dls-predictor", settings)
     service = PredictorService(settings, nc=None)
     await asyncio.to_thread(service.load_models)
+    serve_metrics(service.metrics.registry, settings.metrics_port, settings.metrics_host)
     service.nc = await nats.connect(settings.nats_url.split(","), max_reconnect_attempts=-1, name="dls-predictor")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -190,3 +204,4 @@ async def serve(settings: PredictorSettings) -> None:
                     service.num_errors, service.num_malformed)
         await service.drain()
         await service.nc.drain()
+        shutdown_tracing()

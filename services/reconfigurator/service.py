@@ -33,6 +33,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from opentelemetry.trace import SpanKind
+
 from services.reconfigurator.core.files import SpecError, parse_cluster
 from services.reconfigurator.core.monitor import ArrivalEvent, MonitorSettings
 from services.reconfigurator.core.plan import PlacementPlan
@@ -56,9 +58,11 @@ from shared.messages.control import (
     WorkerStatus,
     WorkloadStats,
 )
+from shared.metrics import ReconfiguratorMetrics, serve_metrics
 from shared.profiles import LatencyProfile
 from shared.settings import ReconfiguratorSettings
 from shared.subjects import Subjects
+from shared.telemetry import inject_headers, setup_tracing, shutdown_tracing, tracer
 
 logger = logging.getLogger("dls.reconfigurator")
 
@@ -201,6 +205,8 @@ class ReconfiguratorService:
         self._warned: set[str] = set()  # instance ids already warned about
         self._subscriptions: list = []
         self._tasks: list[asyncio.Task] = []
+        self.metrics = ReconfiguratorMetrics()
+        self._tracer = tracer("dls.reconfigurator")
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -238,6 +244,7 @@ class ReconfiguratorService:
             return codec.decode(type_, data, self.settings.max_payload_bytes)
         except codec.CodecError as exc:
             self.num_malformed += 1
+            self.metrics.malformed.labels(subject=type_.__name__).inc()
             logger.error("dropping a malformed message: %s", exc)
             return None
 
@@ -412,8 +419,12 @@ class ReconfiguratorService:
         changed = {n.node for n in plan.nodes if n.stop or n.start}
         awaited = AwaitedPlan(plan.plan_id, self.clock(), changed, operator)
         self.awaited[plan.plan_id] = awaited  # before publishing: an ack may come back at once
-        await self.nc.publish(self.subjects.plans, codec.encode(plan, self.settings.max_payload_bytes))
+        with self._tracer.start_as_current_span("reconfigurator.plan", kind=SpanKind.PRODUCER, attributes={
+                "dls.plan_id": plan.plan_id, "dls.operator": operator, "dls.changed_nodes": sorted(changed)}):
+            await self.nc.publish(self.subjects.plans, codec.encode(plan, self.settings.max_payload_bytes),
+                                  headers=inject_headers() or None)  # the node agents' spans continue it
         self.num_plans_published += 1
+        self.metrics.plans.inc()
         logger.info("published plan %s: %s, changing nodes %s", plan.plan_id, plan.instances_by_tp, sorted(changed))
         if not changed:
             self._complete(awaited)
@@ -424,6 +435,8 @@ async def serve(settings: ReconfiguratorSettings) -> None:
     import nats
 
     service = ReconfiguratorService(settings, None, LatencyProfile.load(settings.profile))  # bad files fail first
+    setup_tracing("dls-reconfigurator", settings)
+    serve_metrics(service.metrics.registry, settings.metrics_port, settings.metrics_host)
     nc = await nats.connect(settings.nats_url.split(","), max_reconnect_attempts=-1, name="dls-reconfigurator")
     service.nc = nc
     stop = asyncio.Event()
@@ -438,3 +451,4 @@ async def serve(settings: ReconfiguratorSettings) -> None:
         await nc.drain()
         logger.info("reconfigurator stopped: %d arrivals seen, %d plans published, %d completed",
                     service.num_arrivals, service.num_plans_published, service.num_plans_completed)
+        shutdown_tracing()

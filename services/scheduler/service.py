@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import msgspec
+from opentelemetry import context as otel_context
+from opentelemetry.trace import SpanKind
 
 from services.scheduler.core import (
     CacheMode,
@@ -54,11 +56,23 @@ from shared.messages.events import FailureReason, RequestAccepted, RequestFailed
 from shared.messages.intake import CancelRequest, CompletionRequest
 from shared.messages.predictor import PredictionQuery, PredictReply, PredictRequest
 from shared.messages.steps import StepCommand, StepItem, StepResults
+from shared.metrics import SchedulerMetrics, predictor_error, serve_metrics
 from shared.profiles import LatencyProfile, ProfileError
+from shared.retry import retry_transient
 from shared.settings import SchedulerSettings
 from shared.state import RequestRecord, StaleStateError, StateStore
 from shared.state import RequestStatus as StoredStatus
 from shared.subjects import Subjects
+from shared.telemetry import (
+    context_of,
+    extract_context,
+    header_context,
+    link_to,
+    setup_tracing,
+    shutdown_tracing,
+    traceparent_of,
+    tracer,
+)
 
 logger = logging.getLogger("dls.scheduler")
 
@@ -88,6 +102,11 @@ class _Tracked:
     threshold: float | None = None
     holder_id: str | None = None  # the instance holding its latest state (local copy, KV cache)
     resyncing: bool = False  # its last step failed: reload its state before the next
+    trace_context: str = ""  # traceparent of its admission span (parent of its spans); "": not traced
+    # its first prediction, kept for the predictor-error metric: (made at step, threshold -> remaining steps)
+    first_prediction: tuple[int, dict[float, int]] | None = None
+    threshold_sum: float = 0.0  # thresholds of its steps since that prediction, summed
+    num_threshold_steps: int = 0  # and counted
 
 
 @dataclass
@@ -97,6 +116,7 @@ class _Worker:
     heartbeat: WorkerHeartbeat
     expires_at: float
     busy_step_id: int | None = None  # the command in flight
+    busy_since: float = 0.0  # when that command was sent (a step past step_timeout_s is lost)
     in_flight_ids: list[str] = field(default_factory=list)  # its requests
     drop_ids: list[str] = field(default_factory=list)  # to drop with the next command
 
@@ -139,7 +159,9 @@ class SchedulerService:
         self.tracked: dict[str, _Tracked] = {}  # request id -> service-side state
         self.workers: dict[str, _Worker] = {}  # instance id -> lease
         self._profiles: dict[str, LatencyProfile] = {}  # path -> loaded profile
-        self._step_seq = 0
+        # step ids start at the clock in microseconds, so a restarted scheduler never reuses an id
+        # that a worker may still answer for its predecessor
+        self._step_seq = int(clock() * 1_000_000)
         self._subscriptions = []
         self._tasks: list[asyncio.Task] = []
         self._intake: IntakeConsumer | None = None
@@ -149,11 +171,14 @@ class SchedulerService:
         self._window_arrivals: list[Arrival] = []
         self._window = {"finished": 0, "slo_met": 0, "rejected": 0, "threshold_sum": 0.0, "steps": 0}
         self.counters = {"malformed": 0, "lost_steps": 0, "failed_steps": 0, "migrations": 0}
+        self.metrics = SchedulerMetrics()
+        self._metrics_server = None
+        self._tracer = tracer("dls.scheduler")
 
     # --- lifecycle -------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        await ensure_intake_stream(self.js, self.subjects)
+        await ensure_intake_stream(self.js, self.subjects, num_replicas=self.settings.intake_replicas)
         self._intake = await IntakeConsumer.create(
             self.js, self.subjects, durable=self.settings.consumer_name, ack_wait_s=self.settings.ack_wait_s,
             max_payload_bytes=self.settings.max_payload_bytes,
@@ -162,6 +187,8 @@ class SchedulerService:
                             (self.subjects.cancel, self._on_cancel)):
             self._subscriptions.append(await self.nc.subscribe(subject, cb=cb))
         await self._resume_in_flight()
+        self._metrics_server = serve_metrics(self.metrics.registry, self.settings.metrics_port,
+                                             self.settings.metrics_host)
         self._tasks += [
             asyncio.create_task(self._intake_loop(), name="intake"),
             asyncio.create_task(self._lease_loop(), name="leases"),
@@ -178,6 +205,8 @@ class SchedulerService:
             await sub.unsubscribe()
         if self._intake is not None:
             await self._intake.close()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
 
     # --- intake ----------------------------------------------------------------------------------
 
@@ -192,9 +221,32 @@ class SchedulerService:
                 await asyncio.sleep(0.5)
                 continue
             if deliveries:
-                await self._admit(deliveries)
+                try:
+                    await self._admit(deliveries)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:  # noqa: BLE001 (Redis gone for long: unacked arrivals are redelivered)
+                    logger.exception("admitting %d arrival(s) failed; unacked ones will be redelivered",
+                                     len(deliveries))
 
     async def _admit(self, deliveries: list[IntakeDelivery]) -> None:
+        spans: list = []  # one admission span per new request, ended once the batch is placed
+        try:
+            await self._admit_batch(deliveries, spans)
+        finally:
+            for span in spans:
+                span.end()
+
+    def _admission_span(self, delivery: IntakeDelivery):
+        """The span of a request's admission: a child of the gateway's context (intake headers)."""
+        request = delivery.request
+        return self._tracer.start_span(
+            "scheduler.admit", context=extract_context(delivery.headers), kind=SpanKind.CONSUMER,
+            attributes={"dls.request_id": request.request_id, "dls.prompt_tokens": len(request.prompt_token_ids or []),
+                        "dls.gen_length": request.gen_length, "dls.slo_ms": request.slo_ms,
+                        "dls.num_delivered": delivery.num_delivered})
+
+    async def _admit_batch(self, deliveries: list[IntakeDelivery], spans: list) -> None:
         admitted: list[tuple[CompletionRequest, RequestRecord]] = []
         for delivery in deliveries:
             request = delivery.request
@@ -206,7 +258,8 @@ class SchedulerService:
                 await delivery.ack()
                 await self._fail(request.request_id, FailureReason.INVALID, problem, seq=2)
                 continue
-            record = self._new_record(request)
+            spans.append(self._admission_span(delivery))
+            record = self._new_record(request, traceparent_of(spans[-1]))
             try:
                 stored = await self.store.create(record)
             except Exception as exc:  # noqa: BLE001 (includes RequestExistsError, handled below)
@@ -237,14 +290,15 @@ class SchedulerService:
         self._handle(self.loop.on_arrivals(now, requests))
         self._ask_predictions([r.request_id for r in requests])
 
-    def _new_record(self, request: CompletionRequest) -> RequestRecord:
+    def _new_record(self, request: CompletionRequest, trace_context: str = "") -> RequestRecord:
         return RequestRecord(
             request_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids or []),
             canvas=[self.mask_token_id] * request.gen_length, mask_token_id=self.mask_token_id,
             gen_length=request.gen_length, block_length=request.block_length, cache_mode=request.cache_mode,
             arrival_time=request.arrival_time, deadline=request.deadline, slo_ms=request.slo_ms,
             priority=request.priority, min_threshold=request.min_threshold, max_threshold=request.max_threshold,
-            seed=request.seed, stream=request.stream, model=request.model or "",
+            seed=request.seed, stream=request.stream, model=request.model or "", owner=request.owner,
+            trace_context=trace_context,
         )
 
     def _track(self, record: RequestRecord) -> Request:
@@ -253,7 +307,7 @@ class SchedulerService:
         self.tracked[record.request_id] = _Tracked(
             version=record.version, prompt_len=len(record.prompt_token_ids), gen_len=record.gen_length,
             block_len=record.block_length, uses_cache=cache != CacheMode.NONE, num_steps=record.num_steps,
-            num_committed=record.num_committed, holder_id=None,
+            num_committed=record.num_committed, holder_id=None, trace_context=record.trace_context,
         )
         request = Request(
             record.request_id, record.arrival_time, len(record.prompt_token_ids), record.gen_length,
@@ -267,10 +321,11 @@ class SchedulerService:
         return request
 
     async def _resume_in_flight(self) -> None:
-        ids = await self.store.list_in_flight()
+        ids = await retry_transient(self.store.list_in_flight, "listing in-flight requests", logger)
         if not ids:
             return
-        records = [r for r in await self.store.load_many(ids) if r is not None and not r.is_terminal]
+        loaded = await retry_transient(lambda: self.store.load_many(ids), "loading in-flight requests", logger)
+        records = [r for r in loaded if r is not None and not r.is_terminal]
         requests = [self._track(r) for r in records if r.request_id not in self.tracked]
         if requests:
             logger.info("resuming %d in-flight requests from Redis", len(requests))
@@ -283,6 +338,7 @@ class SchedulerService:
             beat = codec.decode(WorkerHeartbeat, msg.data, self.settings.max_payload_bytes)
         except codec.CodecError as exc:
             self.counters["malformed"] += 1
+            self.metrics.malformed.labels(subject="heartbeat").inc()
             logger.warning("dropping a malformed heartbeat: %s", exc)
             return
         now = self.clock()
@@ -343,9 +399,17 @@ class SchedulerService:
         while True:
             await asyncio.sleep(0.25)
             now = self.clock()
+            self._update_gauges()
             for iid, worker in list(self.workers.items()):
                 if worker.expires_at < now:
                     logger.warning("instance %s: lease expired; its requests resume elsewhere", iid)
+                    self._fail_instance(iid)
+                elif worker.busy_step_id is not None and now - worker.busy_since > self.settings.step_timeout_s:
+                    # the command or its results got lost (a NATS node went away): the instance is
+                    # dropped and joins again with its next heartbeat; its requests resume from Redis
+                    logger.warning("instance %s: step %d unanswered after %.0f s; its requests resume from Redis",
+                                   iid, worker.busy_step_id, now - worker.busy_since)
+                    self.counters["timed_out_steps"] = self.counters.get("timed_out_steps", 0) + 1
                     self._fail_instance(iid)
 
     def _fail_instance(self, instance_id: str) -> None:
@@ -378,6 +442,7 @@ class SchedulerService:
         for rejection in decisions.rejections:
             tracked = self.tracked.pop(rejection.request_id, None)
             self._window["rejected"] += 1
+            self.metrics.rejected.inc()
             self._tasks.append(asyncio.create_task(self._finish_failed(
                 rejection.request_id, _REJECT_TO_FAILURE[rejection.reason], rejection.detail or rejection.reason.name,
                 StoredStatus.REJECTED, tracked,
@@ -385,6 +450,8 @@ class SchedulerService:
         for a in decisions.assignments:
             if a.is_migration:
                 self.counters["migrations"] += 1
+                self.metrics.migrations.inc()
+                self._trace_migration(a)
         self._dispatch()
 
     def _dispatch(self) -> None:
@@ -417,16 +484,25 @@ class SchedulerService:
         command = StepCommand(instance_id=instance_id, step_id=self._step_seq, items=items,
                               drop_request_ids=worker.drop_ids, issued_at=self.clock())
         worker.drop_ids = []
+        headers = None
         if items:
             worker.busy_step_id = self._step_seq
+            worker.busy_since = self.clock()
             worker.in_flight_ids = [it.request_id for it in items]
-        self._publish(self.subjects.step(instance_id), command)
+            self.metrics.batch_size.observe(len(items))
+            span = self._batch_span("scheduler.step_command", worker.in_flight_ids, SpanKind.PRODUCER, {
+                "dls.instance_id": instance_id, "dls.step_id": self._step_seq, "dls.batch_size": len(items),
+                "dls.num_load_state": sum(it.load_state for it in items)})
+            headers = header_context(span) or None
+            span.end()
+        self._publish(self.subjects.step(instance_id), command, headers)
 
     async def _on_results(self, msg) -> None:
         try:
             results = codec.decode(StepResults, msg.data, self.settings.max_payload_bytes)
         except codec.CodecError as exc:
             self.counters["malformed"] += 1
+            self.metrics.malformed.labels(subject="results").inc()
             logger.warning("dropping malformed step results: %s", exc)
             return
         worker = self.workers.get(results.instance_id)
@@ -454,6 +530,10 @@ class SchedulerService:
             tracked.threshold = r.threshold
             self._window["threshold_sum"] += r.threshold
             self._window["steps"] += 1
+            self.metrics.steps.inc()
+            self.metrics.threshold.observe(r.threshold)
+            tracked.threshold_sum += r.threshold
+            tracked.num_threshold_steps += 1
             outcomes.append(StepOutcome(r.request_id, len(r.committed_positions), r.block_done, r.finished,
                                         int(r.kind) == 0))
             if r.finished:
@@ -462,6 +542,7 @@ class SchedulerService:
                 request = self.view.requests.get(r.request_id)
                 if request is not None and now <= request.deadline:
                     self._window["slo_met"] += 1
+                self._observe_finish(r.request_id, tracked, request, r.num_steps, now)
         failed = [f for f in results.failures if f.request_id in self.tracked]
         decisions = self.loop.on_step_result(now, StepResult(results.instance_id, tuple(outcomes), results.duration_s))
         for failure in failed:
@@ -479,7 +560,7 @@ class SchedulerService:
 
     async def _resync(self, request_id: str) -> None:
         """Reload a request whose step was lost or failed, and catch the core up with what Redis says."""
-        record = await self.store.load(request_id)
+        record = await retry_transient(lambda: self.store.load(request_id), f"reloading {request_id}", logger)
         tracked = self.tracked.get(request_id)
         request = self.view.requests.get(request_id)
         if tracked is None or request is None:
@@ -487,7 +568,8 @@ class SchedulerService:
         if record is None or record.is_terminal:
             self.tracked.pop(request_id, None)
             if request.status == RequestStatus.QUEUED or request.status == RequestStatus.READY:
-                # finished (a worker wrote it, its result was lost) or gone: the core forgets it
+                # finished (a worker wrote it, its result was lost) or gone: the core forgets it; the
+                # gateway, hearing no final event, finds the result in Redis (DLS_GATEWAY_RESULT_POLL_S)
                 self.view.cancel_request(request_id, self.clock(), detail="finished while its result was lost")
             if record is None:
                 await self._fail(request_id, FailureReason.INTERNAL, "request state vanished from Redis",
@@ -529,13 +611,18 @@ class SchedulerService:
     async def _predict(self, queries: list[PredictionQuery]) -> None:
         thresholds = sorted(set(self.settings.thresholds))
         request = PredictRequest(queries=queries, thresholds=thresholds)
+        span = self._batch_span("scheduler.predict", [q.request_id for q in queries], SpanKind.CLIENT,
+                                {"dls.num_queries": len(queries)})
         try:
             msg = await self.nc.request(self.subjects.predict, codec.encode(request, self.settings.max_payload_bytes),
-                                        timeout=self.settings.predictor_timeout_s)
+                                        timeout=self.settings.predictor_timeout_s,
+                                        headers=header_context(span) or None)
             reply = codec.decode(PredictReply, msg.data, self.settings.max_payload_bytes)
         except Exception as exc:  # noqa: BLE001 (no predictor, timeout: the core keeps its last estimate)
             logger.debug("no prediction (%s)", exc)
             return
+        finally:
+            span.end()
         if reply.error:
             logger.warning("predictor error: %s", reply.error)
             return
@@ -544,6 +631,7 @@ class SchedulerService:
             prediction = Prediction({float(t): (s.recompute_steps, s.cache_steps)
                                      for t, s in p.threshold_to_steps.items()}, p.made_at_step)
             self.loop.on_prediction(now, p.request_id, prediction)
+            self._note_prediction(p.request_id, prediction)
 
     # --- cancellations, failures, events -----------------------------------------------------------
 
@@ -552,6 +640,7 @@ class SchedulerService:
             cancel = codec.decode(CancelRequest, msg.data, self.settings.max_payload_bytes)
         except codec.CodecError as exc:
             self.counters["malformed"] += 1
+            self.metrics.malformed.labels(subject="cancel").inc()
             logger.warning("dropping a malformed cancel: %s", exc)
             return
         request = self.view.requests.get(cancel.request_id)
@@ -571,12 +660,12 @@ class SchedulerService:
         """Store the terminal status (retrying a lost race with a worker's write), then tell the gateway."""
         num_steps = tracked.num_steps if tracked else 0
         for _ in range(5):
-            record = await self.store.load(request_id)
+            record = await retry_transient(lambda: self.store.load(request_id), f"loading {request_id}", logger)
             if record is None or record.is_terminal:
                 break
             try:
-                record = await self.store.save(msgspec.structs.replace(
-                    record, status=status, detail=detail, finished_at=self.clock()))
+                record = await retry_transient(lambda r=record: self.store.save(msgspec.structs.replace(
+                    r, status=status, detail=detail, finished_at=self.clock())), f"saving {request_id}", logger)
                 num_steps = record.num_steps
                 break
             except StaleStateError:
@@ -590,9 +679,84 @@ class SchedulerService:
         await self.nc.publish(self.subjects.events(event.request_id),
                               codec.encode(event, self.settings.max_payload_bytes))
 
-    def _publish(self, subject: str, message) -> None:
+    def _publish(self, subject: str, message, headers: dict[str, str] | None = None) -> None:
         data = codec.encode(message, self.settings.max_payload_bytes)
-        self._tasks.append(asyncio.create_task(self.nc.publish(subject, data)))
+        self._tasks.append(asyncio.create_task(self.nc.publish(subject, data, headers=headers)))
+
+    # --- telemetry (shared/telemetry.py, shared/metrics.py) ----------------------------------------
+
+    def _request_context(self, request_id: str):
+        """The context of a request's admission span (parent of its spans); None when it is not traced."""
+        tracked = self.tracked.get(request_id)
+        return context_of(tracked.trace_context) if tracked is not None else None
+
+    def _batch_span(self, name: str, request_ids: list[str], kind: SpanKind, attributes: dict):
+        """A span about a batch of requests: in the trace of the first, linked to the others'."""
+        parent = self._request_context(request_ids[0]) if request_ids else None
+        links = [link for rid in request_ids[1:] if rid in self.tracked
+                 for link in [link_to(self.tracked[rid].trace_context)] if link is not None]
+        return self._tracer.start_span(name, context=parent or otel_context.Context(), kind=kind, links=links,
+                                       attributes={**attributes, "dls.request_ids": list(request_ids)})
+
+    def _trace_migration(self, assignment) -> None:
+        parent = self._request_context(assignment.request_id)
+        if parent is None:
+            return
+        tracked = self.tracked.get(assignment.request_id)
+        self._tracer.start_span("scheduler.migrate", context=parent, attributes={
+            "dls.request_id": assignment.request_id, "dls.to_instance_id": assignment.instance_id,
+            "dls.from_instance_id": assignment.from_instance_id or (tracked.holder_id if tracked else "") or "",
+            "dls.threshold": float(assignment.threshold)}).end()
+
+    def _note_prediction(self, request_id: str, prediction: Prediction) -> None:
+        tracked = self.tracked.get(request_id)
+        if tracked is None:
+            return
+        threshold_to_remaining = {t: sum(steps) for t, steps in prediction.threshold_to_steps.items()}
+        if tracked.first_prediction is None:  # kept for the predictor-error metric at finish
+            tracked.first_prediction = (prediction.made_at_step, threshold_to_remaining)
+            tracked.threshold_sum, tracked.num_threshold_steps = 0.0, 0
+        parent = context_of(tracked.trace_context)
+        if parent is not None:
+            thresholds = sorted(threshold_to_remaining)
+            self._tracer.start_span("scheduler.prediction", context=parent, attributes={
+                "dls.request_id": request_id, "dls.made_at_step": prediction.made_at_step,
+                "dls.thresholds": thresholds,
+                "dls.predicted_remaining_steps": [threshold_to_remaining[t] for t in thresholds]}).end()
+
+    def _observe_finish(self, request_id: str, tracked: _Tracked, request, num_steps: int, now: float) -> None:
+        self.metrics.finished.inc()
+        latency_s = now - request.arrival_time if request is not None else None
+        slo_met = request is not None and now <= request.deadline
+        if slo_met:
+            self.metrics.slo_met.inc()
+        if latency_s is not None:
+            self.metrics.latency.observe(latency_s)
+        error = None
+        if tracked.first_prediction is not None:
+            made_at, threshold_to_remaining = tracked.first_prediction
+            used = (tracked.threshold_sum / tracked.num_threshold_steps if tracked.num_threshold_steps
+                    else tracked.threshold)
+            error = predictor_error(made_at, threshold_to_remaining, used, num_steps)
+            if error is not None:
+                self.metrics.predictor_error.observe(error)
+        parent = context_of(tracked.trace_context)
+        if parent is not None:
+            attributes = {"dls.request_id": request_id, "dls.num_steps": num_steps, "dls.slo_met": slo_met}
+            if latency_s is not None:
+                attributes["dls.latency_s"] = latency_s
+            if error is not None:
+                attributes["dls.predictor_error"] = error
+            self._tracer.start_span("scheduler.finish", context=parent, attributes=attributes).end()
+
+    def _update_gauges(self) -> None:
+        self.metrics.queue_depth.set(self.view.num_queued)
+        self.metrics.in_flight.set(len(self.tracked))
+        tp_to_count: dict[int, int] = {}  # TP degree -> live instances
+        for inst in self.view.instances.values():
+            if inst.alive:
+                tp_to_count[inst.tp] = tp_to_count.get(inst.tp, 0) + 1
+        self.metrics.set_instances(tp_to_count)
 
     # --- workload stats --------------------------------------------------------------------------
 
@@ -644,6 +808,7 @@ async def serve(settings: SchedulerSettings) -> None:
 
     from shared.state import RedisStateStore
 
+    setup_tracing("dls-scheduler", settings)
     nc = await nats.connect(settings.nats_url.split(","), max_reconnect_attempts=-1, name="dls-scheduler")
     store = RedisStateStore.from_url(settings.redis_url, settings.redis_key_prefix,
                                      completed_ttl_s=settings.completed_ttl_s)
@@ -660,3 +825,4 @@ async def serve(settings: SchedulerSettings) -> None:
         await service.stop()
         await nc.drain()
         await store.close()
+        shutdown_tracing()

@@ -31,6 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import msgspec
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind
 
 from shared.messages import codec
 from shared.messages.base import ConfidenceStats as WireConfidence
@@ -38,10 +40,13 @@ from shared.messages.base import StepKind as WireStepKind
 from shared.messages.control import WorkerHeartbeat, WorkerStatus
 from shared.messages.events import RequestFinished, RequestProgress, Usage
 from shared.messages.steps import RequestStepResult, StepCommand, StepFailure, StepItem, StepResults
+from shared.metrics import WorkerMetrics, serve_metrics
 from shared.profiles import LatencyProfile
+from shared.retry import retry_transient
 from shared.settings import WorkerSettings
 from shared.state import RequestRecord, RequestStatus, StateStore, StepRecord
 from shared.subjects import Subjects
+from shared.telemetry import context_of, extract_context, setup_tracing, shutdown_tracing, tracer
 
 logger = logging.getLogger("dls.worker")
 
@@ -91,6 +96,9 @@ class WorkerService:
         self._stopped = asyncio.Event()
         self._subscription = None
         self._tasks: list[asyncio.Task] = []
+        self.metrics = WorkerMetrics(self.instance_id)
+        self._metrics_server = None  # the /metrics HTTP server (DLS_METRICS_PORT; None: off)
+        self._tracer = tracer("dls.worker")
 
     @property
     def profile_name(self) -> str:
@@ -99,6 +107,8 @@ class WorkerService:
     # --- lifecycle -------------------------------------------------------------------------------
 
     async def start(self) -> None:
+        self._metrics_server = serve_metrics(self.metrics.registry, self.settings.metrics_port,
+                                             self.settings.metrics_host)
         self._subscription = await self.nc.subscribe(self.subjects.step(self.instance_id), cb=self._on_command)
         self.status = WorkerStatus.READY
         await self._heartbeat()
@@ -133,6 +143,9 @@ class WorkerService:
             await self.nc.flush(timeout=2)
         except Exception as exc:  # noqa: BLE001 (already disconnected: nothing more to tell anyone)
             logger.warning("worker %s: could not say goodbye: %s", self.instance_id, exc)
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server = None
         self._stopped.set()
 
     def _check_drained(self) -> None:
@@ -154,6 +167,7 @@ class WorkerService:
             profile=self.profile_name, profile_scale=self.settings.pace_scale if self.pace else 1.0,
             status=self.status, num_resident=len(self.local),
             ttl_s=self.settings.lease_ttl_s, sent_at=self.clock(), started_at=self.started_at,
+            metrics_port=self._metrics_server.server_port if self._metrics_server is not None else 0,
         )
         await self.nc.publish(self.subjects.heartbeat, codec.encode(beat, self.settings.max_payload_bytes))
 
@@ -164,14 +178,22 @@ class WorkerService:
             command = codec.decode(StepCommand, msg.data, self.settings.max_payload_bytes)
         except codec.CodecError as exc:
             self.num_malformed += 1
+            self.metrics.malformed.labels(subject="step").inc()
             logger.error("dropping a malformed step command: %s", exc)
             return
         async with self._lock:
             for rid in command.drop_request_ids:
                 self._forget(rid)
             if command.items:
-                results = await self._run(command)
-                await self.nc.publish(self.subjects.results, codec.encode(results, self.settings.max_payload_bytes))
+                # the batched step: a child of the scheduler's step_command span (NATS headers)
+                with self._tracer.start_as_current_span(
+                        "worker.step", context=extract_context(msg.headers), kind=SpanKind.CONSUMER,
+                        attributes={"dls.instance_id": self.instance_id, "dls.step_id": command.step_id,
+                                    "dls.batch_size": len(command.items)}):
+                    results = await self._run(command)
+                    await self.nc.publish(self.subjects.results,
+                                          codec.encode(results, self.settings.max_payload_bytes))
+            self.metrics.resident.set(len(self.local))
         self._check_drained()
 
     def _forget(self, request_id: str) -> None:
@@ -203,7 +225,9 @@ class WorkerService:
                 loaded_state=item.request_id in loaded, started_at=started, duration_s=duration,
                 confidence=_wire_confidence(outcome.confidence),
             )]
-        save = await self.store.save_many(new_records, new_steps) if new_records else None
+        save = await retry_transient(lambda: self.store.save_many(new_records, new_steps),
+                                     f"step {command.step_id}: saving {len(new_records)} request(s)",
+                                     logger) if new_records else None
         rid_to_stored = {r.request_id: r for r in save.saved} if save else {}  # request id -> new version
         rid_to_problem = {e.request_id: str(e) for e in save.stale} if save else {}  # request id -> why
         rid_to_problem.update({rid: "state missing in Redis" for rid in (save.missing_ids if save else [])})
@@ -225,12 +249,20 @@ class WorkerService:
                 confidence=_wire_confidence(outcome.confidence), threshold=item.threshold,
                 state_version=stored.version,
             ))
+            self._trace_request_step(stored, item, outcome, len(batch), item.request_id in loaded, started,
+                                     duration)
             await self._publish_events(stored, local, outcome, block_done, item)
             if outcome.finished:
                 self._forget(item.request_id)
             else:
                 local.record = stored
         self.num_steps += 1
+        if batch:
+            self.metrics.steps.inc()
+            self.metrics.batch_size.observe(len(batch))
+            self.metrics.step_seconds.observe(duration)
+            self.metrics.tokens.inc(sum(len(o.committed_positions) for o in outcomes))
+        self.metrics.loads.inc(len(loaded))
         return StepResults(
             instance_id=self.instance_id, step_id=command.step_id, results=results, failures=failures,
             started_at=started, duration_s=duration, num_loaded=len(loaded),
@@ -245,7 +277,9 @@ class WorkerService:
         ]
         loaded: set[str] = set()
         if to_load:
-            records = await self.store.load_many([it.request_id for it in to_load])
+            ids = [it.request_id for it in to_load]
+            records = await retry_transient(lambda: self.store.load_many(ids), f"loading {len(ids)} request(s)",
+                                            logger)
             for item, record in zip(to_load, records, strict=True):
                 self._forget(item.request_id)
                 problem = _load_problem(item, record)
@@ -257,6 +291,28 @@ class WorkerService:
         failed = {f.request_id for f in failures}
         ready = [(it, self.local[it.request_id]) for it in items if it.request_id not in failed]
         return ready, loaded
+
+    def _trace_request_step(self, record: RequestRecord, item: StepItem, outcome, batch_size: int,
+                            loaded_state: bool, started: float, duration_s: float) -> None:
+        """One span per request-step, in the request's trace (its parent: the admission span named by
+        the record's ``trace_context``), linked to this worker's batched ``worker.step`` span."""
+        parent = context_of(record.trace_context)
+        if parent is None:
+            return
+        batch_span = trace.get_current_span().get_span_context()
+        start_ns = int(started * 1e9)
+        span = self._tracer.start_span(
+            "worker.request_step", context=parent, start_time=start_ns,
+            links=[trace.Link(batch_span)] if batch_span.is_valid else None,
+            attributes={
+                "dls.request_id": record.request_id, "dls.instance_id": self.instance_id,
+                "dls.threshold": item.threshold, "dls.batch_size": batch_size,
+                "dls.step_kind": WireStepKind(int(outcome.kind)).name.lower(), "dls.step_index": record.num_steps,
+                "dls.tokens_committed": len(outcome.committed_positions), "dls.block_index": outcome.block_index,
+                "dls.loaded_state": loaded_state, "dls.finished": bool(outcome.finished),
+                "dls.state_version": record.version,
+            })
+        span.end(end_time=start_ns + int(duration_s * 1e9))
 
     def _state_of(self, record: RequestRecord):
         from services.worker.engine import CacheMode, RequestState
@@ -380,6 +436,7 @@ async def serve(settings: WorkerSettings) -> None:
 
     from shared.state import RedisStateStore
 
+    setup_tracing("dls-worker", settings)
     engine = await asyncio.to_thread(make_engine, settings)
     nc = await nats.connect(settings.nats_url.split(","), max_reconnect_attempts=-1, name="dls-worker")
     store = RedisStateStore.from_url(settings.redis_url, settings.redis_key_prefix)
@@ -396,4 +453,5 @@ async def serve(settings: WorkerSettings) -> None:
         if hasattr(engine, "close"):
             engine.close()
         logger.info("worker %s stopped after %d steps", service.instance_id, service.num_steps)
+        shutdown_tracing()
 

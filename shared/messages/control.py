@@ -41,6 +41,7 @@ class WorkerHeartbeat(Message, kw_only=True):
     ttl_s: float  # the lease lasts this long after sent_at
     sent_at: float  # unix time (s) of this heartbeat
     started_at: float = 0.0  # unix time (s) the worker started (a change means it restarted)
+    metrics_port: int = 0  # port of its Prometheus /metrics endpoint on its node; 0: none
 
     @property
     def expires_at(self) -> float:

