@@ -5,8 +5,8 @@ fetched from outside).
 The pages carry no data themselves: their scripts read it from two JSON routes under ``/v1/``,
 behind the gateway's API-key middleware (``edge.py``) like every other route. A script that gets a
 401 asks for a key and sends it as ``Authorization: Bearer`` (a ``#key=...`` fragment, never sent
-to the server, pre-fills it). While the middleware also guards the pages and ``/static/dashboard/``,
-a browser reaches them only through something that adds the header (a proxy, an extension).
+to the server, pre-fills it). The page shells and ``/static/dashboard/`` hold no data, so the
+middleware leaves them open (``edge.is_open``) and a browser can load them when keys are set.
 
 - ``GET /v1/cluster``: live instances from the heartbeats the gateway tracks (TP degree, status,
   resident requests against the batch limit, the threshold and time of the last step the gateway saw),

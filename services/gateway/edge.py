@@ -20,7 +20,14 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-OPEN_PATHS = frozenset({"/healthz", "/readyz"})  # the health checks: the only paths open once keys are set
+OPEN_PATHS = frozenset({"/healthz", "/readyz", "/dashboard"})  # open even when keys are set
+# page shells and their scripts hold no data: the pages ask for a key and send it on every /v1 call
+OPEN_PREFIXES = ("/static/dashboard/", "/requests/")
+
+
+def is_open(path: str) -> bool:
+    """Paths served without a key: health checks and the dashboard's data-free page shells."""
+    return path in OPEN_PATHS or path.startswith(OPEN_PREFIXES)
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 
 
@@ -40,7 +47,7 @@ def _header(scope: Scope, name: bytes) -> str | None:
 
 
 class ApiKeyMiddleware:
-    """``Authorization: Bearer <key>`` on every path but the health checks when keys are configured
+    """``Authorization: Bearer <key>`` on every path but ``is_open`` ones when keys are configured
     (401 otherwise). The caller's identity (``security.key_hash`` of its key, never the key) goes into
     the ASGI scope's state for the routes (request ownership, rate limits)."""
 
@@ -50,7 +57,7 @@ class ApiKeyMiddleware:
         self._hashes = {key.encode(): key_hash(key) for key in api_keys}  # key -> its identity
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and self.api_keys and scope["path"] not in OPEN_PATHS:
+        if scope["type"] == "http" and self.api_keys and not is_open(scope["path"]):
             error = self._check(_header(scope, b"authorization"))
             if isinstance(error, ApiError):
                 await send_error(send, error)

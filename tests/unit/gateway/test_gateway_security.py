@@ -134,3 +134,12 @@ def test_event_from_record_stands_for_the_terminal_event():
     assert isinstance(cancelled, RequestFailed) and cancelled.reason == FailureReason.CANCELLED
     running = _record("r", status=RequestStatus.RUNNING)
     assert event_from_record(running, codec) is None
+
+
+def test_dashboard_page_shells_are_open_but_their_data_needs_a_key():
+    from services.gateway.edge import is_open
+
+    assert is_open("/dashboard") and is_open("/requests/cmpl-1") and is_open("/static/dashboard/dashboard.js")
+    assert is_open("/healthz") and is_open("/readyz")
+    assert not is_open("/v1/cluster") and not is_open("/v1/requests/cmpl-1/timeline")
+    assert not is_open("/v1/completions") and not is_open("/metrics") and not is_open("/openapi.json")
