@@ -169,12 +169,14 @@ async def apply_configuration(settings: ReconfiguratorSettings, instances_by_tp:
     """Send ``ApplyConfiguration``, print the plan id and its per-node changes; optionally wait for acks."""
     import nats
 
+    from shared.settings import redact_urls
+
     subjects = Subjects(settings.subject_prefix)
     try:
         nc = await nats.connect(settings.nats_url.split(","), connect_timeout=5, allow_reconnect=False,
                                 name="dls-reconfig-apply")
     except Exception as exc:  # noqa: BLE001 (nats-py raises several types; the user needs the URL and why)
-        raise CliError(f"cannot connect to NATS at {settings.nats_url}: {exc}") from None
+        raise CliError(f"cannot connect to NATS at {redact_urls(settings.nats_url)}: {exc}") from None
     acks: asyncio.Queue[bytes] = asyncio.Queue()
 
     async def on_ack(msg) -> None:

@@ -24,6 +24,14 @@ REPO = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO / "docker-compose.yml"
 DEPLOY = REPO / "deploy"
 K8S_DIR = DEPLOY / "k8s"
+# The credentials of the manifests: a Secret that kustomize generates from a git-ignored env file.
+SECRET_NAME = "dilaserve-secrets"
+SECRET_KEYS = {"DLS_NATS_PASSWORD", "DLS_REDIS_PASSWORD", "DLS_GATEWAY_API_KEYS"}
+SECRETS_ENV = K8S_DIR / "secrets.env"
+SECRETS_EXAMPLE = K8S_DIR / "secrets.env.example"
+# Read from the Secret by the workloads (to build the URLs), by no settings class.
+SECRET_ONLY_VARS = {"DLS_NATS_PASSWORD", "DLS_REDIS_PASSWORD"}
+NATS_SERVERS = 3
 
 INFRA_SERVICES = {"nats", "redis", "jaeger", "prometheus"}
 # compose service name -> the module its container runs (`python -m <module>`)
@@ -219,10 +227,20 @@ def test_k8s_documents_are_objects(path):
         assert doc.get("metadata", {}).get("name"), f"{path.name}: {doc['kind']} without metadata.name"
 
 
+def _kustomization() -> dict[str, Any]:
+    return yaml.safe_load((K8S_DIR / "kustomization.yaml").read_text())
+
+
 def test_kustomization_lists_every_manifest():
-    kustomization = yaml.safe_load((K8S_DIR / "kustomization.yaml").read_text())
+    kustomization = _kustomization()
     assert kustomization["kind"] == "Kustomization"
     assert sorted(kustomization["resources"]) == sorted(p.name for p in _manifest_files())
+    # every file of the directory is a resource, the secretGenerator's input, or its example
+    generator_inputs = {env for gen in kustomization.get("secretGenerator", []) for env in gen.get("envs", [])}
+    expected = {"kustomization.yaml", *kustomization["resources"], *generator_inputs, SECRETS_EXAMPLE.name}
+    present = {p.name for p in K8S_DIR.iterdir()}
+    assert present - {SECRETS_ENV.name} <= expected, f"not in kustomization.yaml: {sorted(present - expected)}"
+    assert expected - generator_inputs <= present, f"listed but missing: {sorted(expected - generator_inputs - present)}"
 
 
 def test_k8s_nats_is_a_three_server_jetstream_cluster():
@@ -233,10 +251,17 @@ def test_k8s_nats_is_a_three_server_jetstream_cluster():
     headless = _find("Service", statefulset["spec"]["serviceName"])
     assert headless["spec"]["clusterIP"] == "None"
     _find("Service", "nats")
-    conf = _find("ConfigMap", "nats-config")["data"]["nats.conf"]
+    conf = _nats_conf()
     assert re.search(r"^\s*jetstream\s*\{", conf, re.MULTILINE), "JetStream is not enabled in nats.conf"
-    routes = set(re.findall(r"nats://(nats-\d+)\.nats-headless", conf))
+    # The route URLs carry the route password, so each is a variable of nats.conf set in the
+    # container's env (NATS expands no variable inside a string).
+    (container,) = _containers(statefulset)
+    env = _env(container)
+    route_vars = re.findall(r"\$(NATS_ROUTE_\d+)", _block(conf, "cluster"))
+    route_urls = " ".join(env[var]["value"] for var in route_vars)
+    routes = set(re.findall(r"nats://[^@\s]*@(nats-\d+)\.nats-headless[.\w]*:6222", route_urls))
     assert routes == {f"nats-{i}" for i in range(replicas)}, "cluster routes must name every server"
+    assert len(route_vars) == replicas
 
 
 def test_k8s_redis_keeps_an_append_only_file():
@@ -286,3 +311,199 @@ def _known_vars() -> set[str]:
     for settings_cls in SERVICE_SETTINGS.values():
         known |= set(env_vars(settings_cls))
     return known
+
+
+# --- Kubernetes: credentials ------------------------------------------------------------------------
+
+# Deployment/DaemonSet name -> kind, the workloads running a DiLaServe service
+SERVICE_WORKLOADS = {"gateway": "Deployment", "scheduler": "Deployment", "predictor": "Deployment",
+                     "reconfigurator": "Deployment", "node-agent": "DaemonSet"}
+REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")  # a Kubernetes $(VAR) reference
+NATS_URL_RE = re.compile(r"nats://dls:\$\(DLS_NATS_PASSWORD\)@(nats-\d+)\.nats-headless:4222")
+
+
+def _env(container: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    names = [var["name"] for var in container.get("env", [])]
+    assert len(names) == len(set(names)), f"{container['name']}: an env name twice"
+    return {var["name"]: var for var in container.get("env", [])}
+
+
+def _nats_conf() -> str:
+    return _find("ConfigMap", "nats-config")["data"]["nats.conf"]
+
+
+def _block(conf: str, name: str) -> str:
+    """The body of the top-level `name { ... }` block of a NATS config (comments dropped)."""
+    text = re.sub(r"#.*", "", conf)
+    match = re.search(rf"^\s*{name}\s*\{{", text, re.MULTILINE)
+    assert match, f"no {name} block in nats.conf"
+    depth, start = 1, match.end()
+    for pos in range(start, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[pos], 0)
+        if depth == 0:
+            return text[start:pos]
+    raise AssertionError(f"unterminated {name} block in nats.conf")
+
+
+def _assert_from_secret(env: dict[str, dict[str, Any]], name: str, where: str) -> None:
+    var = env.get(name)
+    assert var is not None, f"{where}: no {name} in env"
+    assert "value" not in var, f"{where}: {name} is a literal, not from the Secret"
+    ref = var.get("valueFrom", {}).get("secretKeyRef")
+    assert ref == {"name": SECRET_NAME, "key": name}, f"{where}: {name} must come from secretKeyRef {SECRET_NAME}/{name}"
+
+
+def _assert_refs_defined_before(container: dict[str, Any], where: str) -> None:
+    """Kubernetes expands $(VAR) in env values only from the entries before (else it stays literal)."""
+    defined: set[str] = set()
+    for var in container.get("env", []):
+        for ref in REF.findall(var.get("value", "")):
+            assert ref in defined, f"{where}: {var['name']} uses $({ref}) before (or without) its entry"
+        defined.add(var["name"])
+    for arg in [*container.get("command", []), *container.get("args", [])]:
+        for ref in REF.findall(arg):
+            assert ref in defined, f"{where}: an argument uses $({ref}), which env does not define"
+
+
+def _workload_containers() -> list[tuple[str, dict[str, Any]]]:
+    return [(f"{doc['kind']} {doc['metadata']['name']}/{container['name']}", container)
+            for _, doc in _objects() if doc["kind"] in ("Deployment", "StatefulSet", "DaemonSet", "Job", "CronJob")
+            for container in [*_containers(doc), *doc["spec"]["template"]["spec"].get("initContainers", [])]]
+
+
+def test_k8s_secret_is_generated_from_an_ignored_env_file():
+    generators = [gen for gen in _kustomization().get("secretGenerator", []) if gen["name"] == SECRET_NAME]
+    assert len(generators) == 1, f"kustomization.yaml: no secretGenerator {SECRET_NAME}"
+    assert generators[0].get("envs") == [SECRETS_ENV.name]
+    assert not generators[0].get("literals"), "no literal values in kustomization.yaml"
+    ignored = {line.strip() for line in (REPO / ".gitignore").read_text().splitlines()}
+    assert ignored & {"deploy/k8s/secrets.env", "/deploy/k8s/secrets.env"}, ".gitignore must list deploy/k8s/secrets.env"
+    # the example: the same keys, placeholder values, the gateway's a JSON list
+    example = dict(line.split("=", 1) for line in SECRETS_EXAMPLE.read_text().splitlines()
+                   if line.strip() and not line.lstrip().startswith("#"))
+    assert set(example) == SECRET_KEYS
+    assert "openssl rand -hex" in SECRETS_EXAMPLE.read_text()
+    keys = json.loads(example["DLS_GATEWAY_API_KEYS"])
+    assert isinstance(keys, list) and keys and all(isinstance(key, str) for key in keys)
+    assert all("replace" in value for value in example.values()), "the example holds placeholders only"
+
+
+@pytest.mark.parametrize("name", sorted(SERVICE_WORKLOADS))
+def test_k8s_services_get_credentials_from_the_secret(name):
+    (container,) = _containers(_find(SERVICE_WORKLOADS[name], name))
+    env = _env(container)
+    order = list(env)
+    for var in sorted(SECRET_ONLY_VARS):
+        _assert_from_secret(env, var, name)
+    _assert_refs_defined_before(container, name)
+    nats_urls = env["DLS_NATS_URL"]["value"].split(",")
+    assert [NATS_URL_RE.fullmatch(url) is not None for url in nats_urls] == [True] * NATS_SERVERS, nats_urls
+    assert {NATS_URL_RE.fullmatch(url).group(1) for url in nats_urls} == {f"nats-{i}" for i in range(NATS_SERVERS)}
+    assert env["DLS_REDIS_URL"]["value"] == "redis://:$(DLS_REDIS_PASSWORD)@redis-0.redis:6379/0"
+    assert order.index("DLS_NATS_URL") > order.index("DLS_NATS_PASSWORD")
+    assert order.index("DLS_REDIS_URL") > order.index("DLS_REDIS_PASSWORD")
+    if name == "gateway":  # keys always configured: every endpoint but the probes' needs one
+        _assert_from_secret(env, "DLS_GATEWAY_API_KEYS", name)
+        assert not env["DLS_GATEWAY_API_KEYS"]["valueFrom"]["secretKeyRef"].get("optional")
+    else:
+        assert "DLS_GATEWAY_API_KEYS" not in env
+
+
+def test_k8s_services_set_only_known_variables():
+    known = _known_vars() | SECRET_ONLY_VARS
+    for name, kind in SERVICE_WORKLOADS.items():
+        (container,) = _containers(_find(kind, name))
+        unknown = {var for var in _env(container) if var.startswith("DLS_")} - known
+        assert not unknown, f"{name} sets variables no settings class reads: {sorted(unknown)}"
+
+
+def test_k8s_configmap_has_no_credentials():
+    data = _find("ConfigMap", "dilaserve-config")["data"]
+    assert not {"DLS_NATS_URL", "DLS_REDIS_URL"} & set(data), "the URLs carry the passwords: built in each env"
+    assert not SECRET_KEYS & set(data)
+
+
+def test_k8s_nats_requires_a_password():
+    conf = _nats_conf()
+    (container,) = _containers(_find("StatefulSet", "nats"))
+    env = _env(container)
+    _assert_from_secret(env, "DLS_NATS_PASSWORD", "nats")
+    _assert_refs_defined_before(container, "nats")
+    clients = _block(conf, "authorization")
+    assert re.search(r"^\s*user\s*[:=]\s*dls\s*$", clients, re.MULTILINE), "clients log in as dls"
+    password_vars = re.findall(r"^\s*password\s*[:=]\s*\$(\w+)\s*$", clients, re.MULTILINE)
+    assert len(password_vars) == 1, "nats.conf: the authorization block needs `password: $VARIABLE`"
+    (password_var,) = password_vars
+    # the password in single quotes: NATS reads an unquoted value starting with a digit as a number
+    assert env[password_var]["value"] == "'$(DLS_NATS_PASSWORD)'"
+    routes = _block(_block(conf, "cluster"), "authorization")
+    assert re.search(r"^\s*password\s*[:=]\s*\$(\w+)\s*$", routes, re.MULTILINE), "routes need a password"
+    for route in re.findall(r"\$(NATS_ROUTE_\d+)", _block(conf, "cluster")):
+        assert re.fullmatch(r"'nats://\w+:\$\(DLS_NATS_PASSWORD\)@[\w.-]+:6222'", env[route]["value"]), route
+    # every variable nats.conf uses is in the container's env
+    used = set(re.findall(r"\$([A-Za-z_]\w*)", re.sub(r"#.*", "", conf)))
+    assert used <= set(env), f"nats.conf uses {sorted(used - set(env))}, not in the container's env"
+
+
+def test_k8s_redis_requires_a_password():
+    (container,) = _containers(_find("StatefulSet", "redis"))
+    env = _env(container)
+    _assert_from_secret(env, "DLS_REDIS_PASSWORD", "redis")
+    _assert_refs_defined_before(container, "redis")
+    args = container["args"]
+    assert "--requirepass" in args
+    assert args[args.index("--requirepass") + 1] == "$(DLS_REDIS_PASSWORD)"
+    # the probes' redis-cli authenticates through REDISCLI_AUTH, not a password on its command line
+    assert env["REDISCLI_AUTH"]["value"] == "$(DLS_REDIS_PASSWORD)"
+    for probe in ("readinessProbe", "livenessProbe"):
+        command = " ".join(container[probe]["exec"]["command"])
+        assert "redis-cli" in command and " -a " not in command, probe
+
+
+def test_k8s_manifests_hold_no_literal_secret():
+    """Credentials only from the Secret: no Secret object, no password in a URL, argument or variable."""
+    placeholders = {line.split("=", 1)[1] for line in SECRETS_EXAMPLE.read_text().splitlines()
+                    if "=" in line and not line.lstrip().startswith("#")}
+    for path in [*_manifest_files(), K8S_DIR / "kustomization.yaml"]:
+        text = path.read_text()
+        for url_password in re.findall(r"\b[a-z]+://[^\s/@\"',]*:([^\s/@\"',]*)@", text):
+            assert REF.fullmatch(url_password), f"{path.name}: a URL with a literal password"
+        for value in re.findall(r"^\s*password\s*[:=]\s*(\S+)", text, re.MULTILINE):
+            assert re.fullmatch(r"\$\w+", value), f"{path.name}: nats.conf password {value!r} is not a variable"
+        assert not [p for p in placeholders if p.strip("[]\"") in text], f"{path.name}: holds an example value"
+    for _, doc in _objects():
+        assert doc["kind"] != "Secret", "Secrets come from the secretGenerator, never from a manifest"
+    sensitive = re.compile(r"PASSWORD|PASS$|API_KEY|TOKEN|SECRET|AUTH", re.IGNORECASE)
+    for where, container in _workload_containers():
+        for var in container.get("env", []):
+            if sensitive.search(var["name"]) and "value" in var:
+                assert REF.search(var["value"]) and not REF.sub("", var["value"]).strip("'\""), \
+                    f"{where}: {var['name']} holds a literal, not a reference to the Secret"
+        args = [*container.get("command", []), *container.get("args", [])]
+        for flag in ("--requirepass", "--pass", "--password", "-a"):
+            if flag in args:
+                assert REF.fullmatch(args[args.index(flag) + 1]), f"{where}: {flag} with a literal"
+
+
+def test_k8s_kustomize_points_every_reference_at_the_generated_secret(tmp_path):
+    """`kubectl kustomize` (or `kustomize build`) with the example as secrets.env: the Secret's name gets
+    a hash suffix, and every secretKeyRef must follow it."""
+    kubectl, kustomize = shutil.which("kubectl"), shutil.which("kustomize")
+    if kubectl is None and kustomize is None:
+        pytest.skip("neither kubectl nor kustomize on PATH")
+    build = tmp_path / "k8s"
+    shutil.copytree(K8S_DIR, build, ignore=shutil.ignore_patterns(SECRETS_ENV.name))
+    shutil.copy(SECRETS_EXAMPLE, build / SECRETS_ENV.name)
+    command = [kubectl, "kustomize", str(build)] if kubectl else [kustomize, "build", str(build)]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    docs = [doc for doc in yaml.safe_load_all(proc.stdout) if doc]
+    (secret,) = [doc for doc in docs if doc["kind"] == "Secret"]
+    assert secret["metadata"]["name"].startswith(SECRET_NAME)
+    assert set(secret["data"]) == SECRET_KEYS
+    refs = [var["valueFrom"]["secretKeyRef"] for doc in docs if doc["kind"] in ("Deployment", "StatefulSet", "DaemonSet")
+            for container in doc["spec"]["template"]["spec"]["containers"] for var in container.get("env", [])
+            if "secretKeyRef" in var.get("valueFrom", {})]
+    assert len(refs) >= 2 * len(SERVICE_WORKLOADS) + 3
+    assert {ref["name"] for ref in refs} == {secret["metadata"]["name"]}
+    assert {ref["key"] for ref in refs} <= SECRET_KEYS
