@@ -110,6 +110,9 @@ class IntakeDelivery:
         await self.msg.in_progress()
 
 
+DRAIN_TIMEOUT_S = 0.05  # after the first arrival, the most a fetch waits for the others already queued
+
+
 class IntakeConsumer:
     """A durable pull consumer on the intake with explicit acks."""
 
@@ -136,14 +139,22 @@ class IntakeConsumer:
         return cls(subscription, max_payload_bytes)
 
     async def fetch(self, batch: int = 1, timeout_s: float = 1.0) -> list[IntakeDelivery]:
-        """Up to ``batch`` requests, waiting at most ``timeout_s``; empty when none came.
+        """Up to ``batch`` requests, waiting at most ``timeout_s`` for the first; empty when none came.
 
-        A message that does not decode is terminated (never redelivered) and logged, not returned.
+        Returns as soon as one request is there, with whatever else is already waiting (a pull of
+        ``batch`` at once would, on an idle stream, hold the first arrival until ``timeout_s`` runs
+        out waiting for the rest: admission latency). A message that does not decode is terminated
+        (never redelivered) and logged, not returned.
         """
         try:
-            msgs = await self._subscription.fetch(batch, timeout=timeout_s)
+            msgs = await self._subscription.fetch(1, timeout=timeout_s)
         except TimeoutError:  # nats.errors.TimeoutError, or asyncio's when the pull request itself timed out
             return []
+        if batch > 1:
+            try:
+                msgs += await self._subscription.fetch(batch - 1, timeout=DRAIN_TIMEOUT_S)
+            except TimeoutError:
+                pass  # nothing else was waiting
         deliveries = []
         for msg in msgs:
             try:
