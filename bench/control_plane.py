@@ -75,6 +75,8 @@ async def run_workers(args) -> None:
                 self.commands += 1
 
         async def _run(self, command):
+            if args.step_ms > 0:  # the accelerator's time: the step waits, the CPU is free
+                await asyncio.sleep(args.step_ms / 1000.0)
             results = await super()._run(command)
             if self.measuring:
                 self.request_steps += len(results.results)
@@ -83,7 +85,7 @@ async def run_workers(args) -> None:
     nc = await nats.connect(args.nats)
     store = RedisStateStore.from_url(args.redis, args.prefix)
     workers = []
-    for i in range(args.instances):
+    for i in range(args.first_instance, args.first_instance + args.instances):
         settings = WorkerSettings(nats_url=args.nats, redis_url=args.redis, subject_prefix=args.prefix,
                                   redis_key_prefix=args.prefix, max_batch=args.max_batch, profile=PROFILE)
         worker = TimedWorker(settings, ZeroComputeEngine(), nc, store, instance_id=f"zero{i}")
@@ -93,7 +95,8 @@ async def run_workers(args) -> None:
     async def echo(msg):
         await msg.respond(msg.data)
 
-    await nc.subscribe(f"{args.prefix}.bench.echo", cb=echo)
+    if args.first_instance == 0:
+        await nc.subscribe(f"{args.prefix}.bench.echo", cb=echo)
     control = asyncio.Event()
     phase = {"measure": False}
 
@@ -116,6 +119,8 @@ async def run_workers(args) -> None:
                 "elapsed_s": elapsed,
             }
             await msg.respond(json.dumps(report).encode())
+        elif command == "quit":  # after the scheduler stopped: leave without it resyncing everything
+            await msg.respond(b"ok")
             control.set()
 
     await nc.subscribe(f"{args.prefix}.bench.control", cb=on_control)
@@ -205,14 +210,19 @@ async def run_scheduler_and_load(args, nats_url: str, redis_url: str, prefix: st
     stop = asyncio.Event()
     loader = asyncio.create_task(keep_full(stop))
     await asyncio.sleep(args.warmup)
-    await client.request(f"{prefix}.bench.control", b"start", timeout=5)
+    await control_all(client, f"{prefix}.bench.control", b"start", args.worker_procs)
     await asyncio.sleep(args.duration)
-    reply = await client.request(f"{prefix}.bench.control", b"stop", timeout=30)
-    measured = json.loads(reply.data)
+    replies = await control_all(client, f"{prefix}.bench.control", b"stop", args.worker_procs)
+    parts = [json.loads(r) for r in replies]
+    measured = {"gaps_s": [g for p in parts for g in p["gaps_s"]],
+                "request_steps": sum(p["request_steps"] for p in parts),
+                "commands": sum(p["commands"] for p in parts),
+                "elapsed_s": max(p["elapsed_s"] for p in parts)}
     stop.set()
     await loader
 
     await scheduler.stop()
+    await control_all(client, f"{prefix}.bench.control", b"quit", args.worker_procs)
     await sched_nc.close()
     await client.close()
     await store.close()
@@ -222,6 +232,8 @@ async def run_scheduler_and_load(args, nats_url: str, redis_url: str, prefix: st
     return {
         "instances": args.instances,
         "requests": args.requests,
+        "worker_procs": args.worker_procs,
+        "step_ms": args.step_ms,
         "gen_length": args.gen_length,
         "duration_s": round(elapsed, 2),
         "overhead_ms": {"p50": float(np.percentile(gaps, 50)), "p90": float(np.percentile(gaps, 90)),
@@ -235,6 +247,26 @@ async def run_scheduler_and_load(args, nats_url: str, redis_url: str, prefix: st
         "requests_finished": in_flight["done"],
         "scheduler_counters": dict(scheduler.counters),
     }
+
+
+async def control_all(client, subject: str, command: bytes, num_procs: int, timeout_s: float = 30.0) -> list[bytes]:
+    """Send a control command to every worker process; their replies (one each)."""
+    inbox = client.new_inbox()
+    replies: list[bytes] = []
+    got_all = asyncio.Event()
+
+    async def on_reply(msg):
+        replies.append(msg.data)
+        if len(replies) == num_procs:
+            got_all.set()
+
+    sub = await client.subscribe(inbox, cb=on_reply)
+    await client.publish(subject, command, reply=inbox)
+    try:
+        await asyncio.wait_for(got_all.wait(), timeout_s)
+    finally:
+        await sub.unsubscribe()
+    return replies
 
 
 async def scheduler_ready(scheduler, instances: int, timeout_s: float = 60.0) -> None:
@@ -251,6 +283,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=256, help="requests kept in flight")
     p.add_argument("--max-batch", type=int, default=64, help="most requests per step on one instance")
     p.add_argument("--gen-length", type=int, default=256, help="steps per request (the fake commits one token a step)")
+    p.add_argument("--worker-procs", type=int, default=2,
+                   help="processes the instances are spread over (in production each instance is its own process; "
+                        "one asyncio loop for all of them queues each command behind the others' steps)")
+    p.add_argument("--step-ms", type=float, default=0.0,
+                   help="accelerator time per step: the step waits this long with the CPU free (0: none)")
     p.add_argument("--warmup", type=float, default=3.0)
     p.add_argument("--duration", type=float, default=10.0)
     p.add_argument("--json", default=None)
@@ -258,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nats", help=argparse.SUPPRESS)
     p.add_argument("--redis", help=argparse.SUPPRESS)
     p.add_argument("--prefix", help=argparse.SUPPRESS)
+    p.add_argument("--first-instance", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.workers_only:
         asyncio.run(run_workers(args))
@@ -272,18 +310,27 @@ def main(argv: list[str] | None = None) -> int:
         try:
             start_nats(stack, nats_url)
             start_redis(stack, redis_url)
-            worker_argv = [sys.executable, "-m", "bench.control_plane", "--workers-only", "--instances",
-                           str(args.instances), "--max-batch", str(args.max_batch), "--nats", nats_url, "--redis",
-                           redis_url, "--prefix", prefix]
             env = dict(os.environ, OMP_NUM_THREADS="1")
-            workers = subprocess.Popen(worker_argv, env=env, stdout=subprocess.PIPE, text=True)
-            if "workers ready" not in (workers.stdout.readline() or ""):
-                raise RuntimeError("the worker process did not start")
+            args.worker_procs = max(1, min(args.worker_procs, args.instances))
+            workers = []
+            for k in range(args.worker_procs):  # instances spread evenly over the processes
+                first = k * args.instances // args.worker_procs
+                count = (k + 1) * args.instances // args.worker_procs - first
+                worker_argv = [sys.executable, "-m", "bench.control_plane", "--workers-only", "--instances",
+                               str(count), "--first-instance", str(first), "--max-batch", str(args.max_batch),
+                               "--step-ms", str(args.step_ms), "--nats", nats_url, "--redis", redis_url,
+                               "--prefix", prefix]
+                workers.append(subprocess.Popen(worker_argv, env=env, stdout=subprocess.PIPE, text=True))
+            for proc in workers:
+                if "workers ready" not in (proc.stdout.readline() or ""):
+                    raise RuntimeError("a worker process did not start")
             report = asyncio.run(run_scheduler_and_load(args, nats_url, redis_url, prefix))
-            workers.wait(30)
+            for proc in workers:
+                proc.wait(30)
         finally:
-            if "workers" in locals() and workers.poll() is None:
-                workers.send_signal(signal.SIGKILL)
+            for proc in locals().get("workers", []):
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGKILL)
             stack.stop()
     floor = report["floor_ms"]
     report["overhead_over_floor"] = report["overhead_ms"]["p50"] / (3 * floor["nats_rtt"] + floor["redis_rtt"])

@@ -358,6 +358,37 @@ end
 return {0, new_version}
 """
 
+# save_many: the _SAVE of several records in one call (one command for Redis to parse, one reply).
+# KEYS: in-flight zset, then per record its hash and its steps list.
+# ARGV: ttl ms, then per record: expected version, record bytes (at expected + 1), request id,
+# terminal (0/1), number of steps n, then its n steps.
+# Returns {code, version} per record, flattened, as _SAVE would: 0 saved, 1 stale, 2 not stored.
+_SAVE_MANY = """
+local out = {}
+local a = 2
+for i = 1, (#KEYS - 1) / 2 do
+  local hkey, skey = KEYS[2 * i], KEYS[2 * i + 1]
+  local expected, n = tonumber(ARGV[a]), tonumber(ARGV[a + 4])
+  local current = redis.call('HGET', hkey, 'version')
+  if not current then
+    out[#out + 1] = 2; out[#out + 1] = -1
+  elseif tonumber(current) ~= expected then
+    out[#out + 1] = 1; out[#out + 1] = tonumber(current)
+  else
+    redis.call('HSET', hkey, 'version', expected + 1, 'record', ARGV[a + 1])
+    if n > 0 then redis.call('RPUSH', skey, unpack(ARGV, a + 5, a + 4 + n)) end
+    if ARGV[a + 3] == '1' then
+      redis.call('PEXPIRE', hkey, ARGV[1])
+      redis.call('PEXPIRE', skey, ARGV[1])
+      redis.call('ZREM', KEYS[1], ARGV[a + 2])
+    end
+    out[#out + 1] = 0; out[#out + 1] = expected + 1
+  end
+  a = a + 5 + n
+end
+return out
+"""
+
 # KEYS: record hash, steps list. ARGV: steps... Returns the list length, or -1 if not stored.
 _APPEND = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
@@ -396,6 +427,7 @@ class RedisStateStore:
         self._create = client.register_script(_CREATE)
         self._save = client.register_script(_SAVE)
         self._append = client.register_script(_APPEND)
+        self._save_many = client.register_script(_SAVE_MANY)
 
     @classmethod
     def from_url(cls, url: str, prefix: str = "dls",
@@ -451,10 +483,21 @@ class RedisStateStore:
         result = SaveResult()
         if not records:
             return result
-        pipe = self._redis.pipeline(transaction=False)
+        # one script call for the batch (a pipeline of per-record script calls costs a SCRIPT EXISTS
+        # round trip on top, and Redis parses one command per record); each record is still its own
+        # versioned write, with the outcome _SAVE would give it
+        keys: list[str] = [self.in_flight_key]
+        args: list = [self._ttl_ms]
+        encode = _record_encoder.encode
         for record in records:
-            await self._save(**self._save_call(record, (new_steps or {}).get(record.request_id, ())), client=pipe)
-        replies = await pipe.execute()
+            rid = record.request_id
+            written = msgspec.structs.replace(record, version=record.version + 1)
+            steps = (new_steps or {}).get(rid, ())
+            keys += (self.record_key(rid), self.steps_key(rid))
+            args += (record.version, encode(written), rid, int(written.is_terminal), len(steps))
+            args += [encode(step) for step in steps]
+        flat = await self._save_many(keys=keys, args=args)
+        replies = [flat[i:i + 2] for i in range(0, len(flat), 2)]
         for record, reply in zip(records, replies, strict=True):
             try:
                 result.saved.append(self._saved(record, reply))

@@ -8,7 +8,8 @@ endpoint is configured: ``DLS_OTEL_ENDPOINT`` (``settings.otel_endpoint``), else
 ``OTEL_SERVICE_NAME`` (else ``service_name``), other resource attributes from
 ``OTEL_RESOURCE_ATTRIBUTES``, sampling from ``OTEL_TRACES_SAMPLER``, batching from ``OTEL_BSP_*``.
 With no endpoint (or ``OTEL_SDK_DISABLED=true``) nothing is installed: the API's no-op tracer makes
-every span a non-recording one, and the services skip their attribute work (``span.is_recording()``).
+every span a non-recording one, and the services skip their attribute work (``tracing_active()``,
+``span.is_recording()``).
 
 Context travels in NATS message headers (W3C ``traceparent``/``tracestate``, via the configured
 propagators), never in message bodies: ``inject_headers`` before a publish, ``extract_context`` in
@@ -98,6 +99,15 @@ def shutdown_tracing() -> None:
     provider = trace.get_tracer_provider()
     if hasattr(provider, "shutdown"):
         provider.shutdown()
+
+
+def tracing_active() -> bool:
+    """Whether an SDK tracer provider is installed (``setup_tracing`` ran with an exporter).
+
+    When it is not, every span is a non-recording no-op: hot paths (a span per step command or
+    request-step) check this first and skip building span attributes, links and headers.
+    """
+    return not isinstance(trace.get_tracer_provider(), trace.ProxyTracerProvider | trace.NoOpTracerProvider)
 
 
 def tracer(name: str) -> trace.Tracer:

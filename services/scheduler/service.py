@@ -4,8 +4,10 @@ Inputs, each turned into one call of the core (``services/scheduler/core``):
 
 - intake (JetStream work queue): ``StateStore.create``, then ack, then ``RequestAccepted``, then
   ``SchedulingLoop.on_arrivals`` (one pass per fetched batch);
-- ``results``: a worker's ``StepResults`` -> ``on_step_result``; asynchronous predictions for the
-  requests that stepped (``predict`` request/reply) -> ``on_prediction`` when they arrive;
+- ``results``: workers' ``StepResults``, coalesced (all those received before the loop turns) ->
+  one ``on_step_results``; asynchronous predictions for the requests that stepped (one ``predict``
+  request/reply per pass, paused ``PREDICTOR_RETRY_S`` after a call that got no reply) ->
+  ``on_prediction`` when they arrive;
 - ``heartbeat``: worker leases -> instances added to (or drained from, or failed out of) the view,
   then ``tick``; a lease that expires fails the instance: its requests go back to the queue and
   resume elsewhere from their state in Redis;
@@ -59,6 +61,7 @@ from shared.messages.steps import StepCommand, StepItem, StepResults
 from shared.metrics import SchedulerMetrics, predictor_error, serve_metrics
 from shared.profiles import LatencyProfile, ProfileError
 from shared.retry import retry_transient
+from shared.runtime import freeze_startup_heap
 from shared.settings import SchedulerSettings
 from shared.state import RequestRecord, StaleStateError, StateStore
 from shared.state import RequestStatus as StoredStatus
@@ -72,11 +75,13 @@ from shared.telemetry import (
     shutdown_tracing,
     traceparent_of,
     tracer,
+    tracing_active,
 )
 
 logger = logging.getLogger("dls.scheduler")
 
 _RUNNABLE = (RequestStatus.RUNNING, RequestStatus.MIGRATING)
+PREDICTOR_RETRY_S = 1.0  # after a predict call that got no reply (no predictor, timeout), pause this long
 _REJECT_TO_FAILURE = {  # the core's reason -> the wire's
     RejectReason.DEADLINE_INFEASIBLE: FailureReason.DEADLINE_INFEASIBLE,
     RejectReason.FLOOR_UNSATISFIABLE: FailureReason.FLOOR_UNSATISFIABLE,
@@ -174,6 +179,11 @@ class SchedulerService:
         self.metrics = SchedulerMetrics()
         self._metrics_server = None
         self._tracer = tracer("dls.scheduler")
+        self._pending_results: list[StepResults] = []  # received, not handled yet (coalesced)
+        self._results_scheduled = False  # a _drain_results call is scheduled
+        self._outbox: list[tuple[str, bytes, dict | None]] = []  # step commands to publish, in order
+        self._outbox_task: asyncio.Task | None = None
+        self._predictor_down_until = 0.0  # no predict calls before this (the last one got no reply)
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -194,13 +204,15 @@ class SchedulerService:
             asyncio.create_task(self._lease_loop(), name="leases"),
             asyncio.create_task(self._stats_loop(), name="stats"),
         ]
+        freeze_startup_heap()  # full GC passes in the step loop skip the start-up heap
         logger.info("scheduler ready (policy %s, prefix %s)", self.loop.policy.name, self.subjects.prefix)
 
     async def stop(self) -> None:
         self._stopping.set()
-        for task in self._tasks:
+        tasks = self._tasks + ([self._outbox_task] if self._outbox_task is not None else [])
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         for sub in self._subscriptions:
             await sub.unsubscribe()
         if self._intake is not None:
@@ -487,14 +499,15 @@ class SchedulerService:
         headers = None
         if items:
             worker.busy_step_id = self._step_seq
-            worker.busy_since = self.clock()
+            worker.busy_since = command.issued_at
             worker.in_flight_ids = [it.request_id for it in items]
             self.metrics.batch_size.observe(len(items))
-            span = self._batch_span("scheduler.step_command", worker.in_flight_ids, SpanKind.PRODUCER, {
-                "dls.instance_id": instance_id, "dls.step_id": self._step_seq, "dls.batch_size": len(items),
-                "dls.num_load_state": sum(it.load_state for it in items)})
-            headers = header_context(span) or None
-            span.end()
+            if tracing_active():
+                span = self._batch_span("scheduler.step_command", worker.in_flight_ids, SpanKind.PRODUCER, {
+                    "dls.instance_id": instance_id, "dls.step_id": self._step_seq, "dls.batch_size": len(items),
+                    "dls.num_load_state": sum(it.load_state for it in items)})
+                headers = header_context(span) or None
+                span.end()
         self._publish(self.subjects.step(instance_id), command, headers)
 
     async def _on_results(self, msg) -> None:
@@ -505,15 +518,67 @@ class SchedulerService:
             self.metrics.malformed.labels(subject="results").inc()
             logger.warning("dropping malformed step results: %s", exc)
             return
-        worker = self.workers.get(results.instance_id)
-        if worker is None or worker.busy_step_id != results.step_id:
-            logger.warning("ignoring results of step %d from %s (not the step in flight)", results.step_id,
-                           results.instance_id)
+        # coalesced: every StepResults already received is handled by one scheduling pass, which
+        # runs once the subscription has handed over all the messages read so far
+        self._pending_results.append(results)
+        if not self._results_scheduled:
+            self._results_scheduled = True
+            asyncio.get_running_loop().call_soon(self._drain_results)
+
+    def _drain_results(self) -> None:
+        self._results_scheduled = False
+        batch, self._pending_results = self._pending_results, []
+        if self._stopping.is_set():
             return
-        worker.busy_step_id = None
-        worker.in_flight_ids = []
+        try:
+            self._handle_results(batch)
+        except Exception:  # noqa: BLE001 (a bug must not stop the step loop: log it, keep serving)
+            logger.exception("handling %d step result(s) failed", len(batch))
+
+    def _handle_results(self, batch: list[StepResults]) -> None:
+        """Record a batch of step results, re-plan once (``on_step_results``), dispatch, predict."""
         now = self.clock()
+        step_results: list[StepResult] = []
+        failures = []  # (instance id, failure) of requests still tracked
+        stepped: list[str] = []  # requests that stepped and go on (fresh predictions)
+        instance_ids: list[str] = []
+        for results in batch:
+            worker = self.workers.get(results.instance_id)
+            if worker is None or worker.busy_step_id != results.step_id:
+                logger.warning("ignoring results of step %d from %s (not the step in flight)", results.step_id,
+                               results.instance_id)
+                continue
+            worker.busy_step_id = None
+            worker.in_flight_ids = []
+            outcomes = self._record_outcomes(results, now)
+            failures += [(results.instance_id, f) for f in results.failures if f.request_id in self.tracked]
+            step_results.append(StepResult(results.instance_id, tuple(outcomes), results.duration_s))
+            stepped += [o.request_id for o in outcomes if not o.finished]
+            instance_ids.append(results.instance_id)
+        if not step_results:
+            return
+        decisions = self.loop.on_step_results(now, step_results)
+        for instance_id, failure in failures:
+            tracked = self.tracked.get(failure.request_id)
+            if tracked is None:
+                continue
+            self.counters["failed_steps"] += 1
+            logger.warning("step of %s failed on %s: %s", failure.request_id, instance_id, failure.reason)
+            self.view.requeue_request(failure.request_id)
+            tracked.holder_id = None
+            tracked.resyncing = True
+            self._tasks.append(asyncio.create_task(self._resync(failure.request_id)))
+        self._handle(decisions)
+        if failures:
+            self._handle(self.loop.tick(now))
+        for instance_id in instance_ids:
+            self._check_drained(instance_id)
+        self._ask_predictions(stepped)
+
+    def _record_outcomes(self, results: StepResults, now: float) -> list[StepOutcome]:
+        """Update the service's side of each request of one worker's results; the core's outcomes."""
         outcomes = []
+        window = self._window
         for r in results.results:
             tracked = self.tracked.get(r.request_id)
             if tracked is None:
@@ -528,9 +593,8 @@ class SchedulerService:
             tracked.block_committed = min(tracked.block_committed + len(r.committed_positions), tracked.block_size)
             tracked.confidence = r.confidence.as_tuple
             tracked.threshold = r.threshold
-            self._window["threshold_sum"] += r.threshold
-            self._window["steps"] += 1
-            self.metrics.steps.inc()
+            window["threshold_sum"] += r.threshold
+            window["steps"] += 1
             self.metrics.threshold.observe(r.threshold)
             tracked.threshold_sum += r.threshold
             tracked.num_threshold_steps += 1
@@ -538,25 +602,14 @@ class SchedulerService:
                                         int(r.kind) == 0))
             if r.finished:
                 self.tracked.pop(r.request_id, None)
-                self._window["finished"] += 1
+                window["finished"] += 1
                 request = self.view.requests.get(r.request_id)
                 if request is not None and now <= request.deadline:
-                    self._window["slo_met"] += 1
+                    window["slo_met"] += 1
                 self._observe_finish(r.request_id, tracked, request, r.num_steps, now)
-        failed = [f for f in results.failures if f.request_id in self.tracked]
-        decisions = self.loop.on_step_result(now, StepResult(results.instance_id, tuple(outcomes), results.duration_s))
-        for failure in failed:
-            self.counters["failed_steps"] += 1
-            logger.warning("step of %s failed on %s: %s", failure.request_id, results.instance_id, failure.reason)
-            self.view.requeue_request(failure.request_id)
-            self.tracked[failure.request_id].holder_id = None
-            self.tracked[failure.request_id].resyncing = True
-            self._tasks.append(asyncio.create_task(self._resync(failure.request_id)))
-        self._handle(decisions)
-        if failed:
-            self._handle(self.loop.tick(now))
-        self._check_drained(results.instance_id)
-        self._ask_predictions([o.request_id for o in outcomes if not o.finished])
+        if outcomes:
+            self.metrics.steps.inc(len(outcomes))
+        return outcomes
 
     async def _resync(self, request_id: str) -> None:
         """Reload a request whose step was lost or failed, and catch the core up with what Redis says."""
@@ -593,6 +646,8 @@ class SchedulerService:
     # --- predictions -----------------------------------------------------------------------------
 
     def _ask_predictions(self, request_ids: list[str]) -> None:
+        if not request_ids or self.clock() < self._predictor_down_until:
+            return  # the last call got no reply: no predictor for a while (the core keeps its estimates)
         queries = []
         for rid in request_ids:
             t = self.tracked.get(rid)
@@ -605,24 +660,27 @@ class SchedulerService:
                 threshold=t.threshold,
             ))
         if queries:
-            self._tasks.append(asyncio.create_task(self._predict(queries)))
             self._tasks = [t for t in self._tasks if not t.done()]
+            self._tasks.append(asyncio.create_task(self._predict(queries)))
 
     async def _predict(self, queries: list[PredictionQuery]) -> None:
         thresholds = sorted(set(self.settings.thresholds))
         request = PredictRequest(queries=queries, thresholds=thresholds)
         span = self._batch_span("scheduler.predict", [q.request_id for q in queries], SpanKind.CLIENT,
-                                {"dls.num_queries": len(queries)})
+                                {"dls.num_queries": len(queries)}) if tracing_active() else None
         try:
             msg = await self.nc.request(self.subjects.predict, codec.encode(request, self.settings.max_payload_bytes),
                                         timeout=self.settings.predictor_timeout_s,
-                                        headers=header_context(span) or None)
+                                        headers=(header_context(span) or None) if span is not None else None)
             reply = codec.decode(PredictReply, msg.data, self.settings.max_payload_bytes)
         except Exception as exc:  # noqa: BLE001 (no predictor, timeout: the core keeps its last estimate)
-            logger.debug("no prediction (%s)", exc)
+            logger.debug("no prediction (%s); next try in %.1f s", exc, PREDICTOR_RETRY_S)
+            self._predictor_down_until = self.clock() + PREDICTOR_RETRY_S
             return
         finally:
-            span.end()
+            if span is not None:
+                span.end()
+        self._predictor_down_until = 0.0
         if reply.error:
             logger.warning("predictor error: %s", reply.error)
             return
@@ -680,8 +738,19 @@ class SchedulerService:
                               codec.encode(event, self.settings.max_payload_bytes))
 
     def _publish(self, subject: str, message, headers: dict[str, str] | None = None) -> None:
-        data = codec.encode(message, self.settings.max_payload_bytes)
-        self._tasks.append(asyncio.create_task(self.nc.publish(subject, data, headers=headers)))
+        """Publish from synchronous code: queued, in order, and sent by one task per loop turn."""
+        self._outbox.append((subject, codec.encode(message, self.settings.max_payload_bytes), headers))
+        if self._outbox_task is None or self._outbox_task.done():
+            self._outbox_task = asyncio.create_task(self._send_outbox())
+
+    async def _send_outbox(self) -> None:
+        while self._outbox:
+            batch, self._outbox = self._outbox, []
+            for subject, data, headers in batch:
+                try:
+                    await self.nc.publish(subject, data, headers=headers)
+                except Exception as exc:  # noqa: BLE001 (NATS gone: the step times out and is retried)
+                    logger.warning("could not publish to %s: %s", subject, exc)
 
     # --- telemetry (shared/telemetry.py, shared/metrics.py) ----------------------------------------
 

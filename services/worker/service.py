@@ -28,6 +28,7 @@ import os
 import signal
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import msgspec
@@ -43,10 +44,18 @@ from shared.messages.steps import RequestStepResult, StepCommand, StepFailure, S
 from shared.metrics import WorkerMetrics, serve_metrics
 from shared.profiles import LatencyProfile
 from shared.retry import retry_transient
+from shared.runtime import freeze_startup_heap
 from shared.settings import WorkerSettings
 from shared.state import RequestRecord, RequestStatus, StateStore, StepRecord
 from shared.subjects import Subjects
-from shared.telemetry import context_of, extract_context, setup_tracing, shutdown_tracing, tracer
+from shared.telemetry import (
+    context_of,
+    extract_context,
+    setup_tracing,
+    shutdown_tracing,
+    tracer,
+    tracing_active,
+)
 
 logger = logging.getLogger("dls.worker")
 
@@ -99,6 +108,8 @@ class WorkerService:
         self.metrics = WorkerMetrics(self.instance_id)
         self._metrics_server = None  # the /metrics HTTP server (DLS_METRICS_PORT; None: off)
         self._tracer = tracer("dls.worker")
+        # engines declare ``blocking = False`` when a step costs next to nothing (no model)
+        self._offload = bool(getattr(engine, "blocking", True))
 
     @property
     def profile_name(self) -> str:
@@ -113,6 +124,7 @@ class WorkerService:
         self.status = WorkerStatus.READY
         await self._heartbeat()
         self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name="heartbeat"))
+        freeze_startup_heap()  # full GC passes in the step loop skip the start-up heap (torch, the model)
         logger.info("worker %s ready (tp %d, model %s, pace %s)", self.instance_id, self.settings.tp,
                     self.engine.name, self.settings.pace_profile or "off")
 
@@ -186,10 +198,11 @@ class WorkerService:
                 self._forget(rid)
             if command.items:
                 # the batched step: a child of the scheduler's step_command span (NATS headers)
-                with self._tracer.start_as_current_span(
-                        "worker.step", context=extract_context(msg.headers), kind=SpanKind.CONSUMER,
-                        attributes={"dls.instance_id": self.instance_id, "dls.step_id": command.step_id,
-                                    "dls.batch_size": len(command.items)}):
+                span = self._tracer.start_as_current_span(
+                    "worker.step", context=extract_context(msg.headers), kind=SpanKind.CONSUMER,
+                    attributes={"dls.instance_id": self.instance_id, "dls.step_id": command.step_id,
+                                "dls.batch_size": len(command.items)}) if tracing_active() else nullcontext()
+                with span:
                     results = await self._run(command)
                     await self.nc.publish(self.subjects.results,
                                           codec.encode(results, self.settings.max_payload_bytes))
@@ -209,7 +222,12 @@ class WorkerService:
             failures.append(StepFailure(request_id=item.request_id, reason=f"batch over max_batch {self.settings.max_batch}"))
         ready, loaded = await self._states(items, failures)
         batch = [(local.state, item.threshold) for item, local in ready]
-        outcomes = await asyncio.to_thread(self.engine.step, batch) if batch else []
+        if not batch:
+            outcomes = []
+        elif self._offload:  # a real forward: off the event loop, so heartbeats and commands keep flowing
+            outcomes = await asyncio.to_thread(self.engine.step, batch)
+        else:  # an engine that computes nothing (the zero-compute fake): a thread hop would cost more
+            outcomes = self.engine.step(batch)
         if self.pace is not None and batch:
             await self._pace(t0, outcomes)
         duration = time.perf_counter() - t0
@@ -296,7 +314,7 @@ class WorkerService:
                             loaded_state: bool, started: float, duration_s: float) -> None:
         """One span per request-step, in the request's trace (its parent: the admission span named by
         the record's ``trace_context``), linked to this worker's batched ``worker.step`` span."""
-        parent = context_of(record.trace_context)
+        parent = context_of(record.trace_context) if record.trace_context and tracing_active() else None
         if parent is None:
             return
         batch_span = trace.get_current_span().get_span_context()

@@ -17,6 +17,7 @@ class ZeroComputeEngine:
     """FAKE: commits ``tokens_per_step`` positions per step, computes nothing."""
 
     name = "zero-compute"
+    blocking = False  # a step costs microseconds: the worker runs it on its event loop, no thread hop
 
     def __init__(self, tokens_per_step: int = 1, mask_id: int = 1, eos_id: int = 2) -> None:
         if tokens_per_step < 1:
@@ -26,6 +27,7 @@ class ZeroComputeEngine:
         self.default_gen_length, self.default_block_length = 256, 32
         self.tokenizer = None
         self._cached: set[str] = set()  # requests with a (pretend) KV cache here
+        self._stats: dict[int, ConfidenceStats] = {}  # masked positions left in the block -> their stats
 
     def new_request(self, request_id: str, prompt_ids: list[int], gen_length: int | None = None,
                     block_length: int | None = None, cache_mode: CacheMode = CacheMode.DUAL) -> RequestState:
@@ -42,22 +44,37 @@ class ZeroComputeEngine:
         return [self._step(state, tau) for state, tau in batch]
 
     def _step(self, state: RequestState, threshold: float) -> StepResult:
-        block = state.canvas.index(self.mask_id) // state.block_length
+        canvas, mask = state.canvas, self.mask_id
+        block = canvas.index(mask) // state.block_length
         start, end = state.block_bounds(block)
         kind = StepKind.CACHE if (state.cache_mode is not CacheMode.NONE and state.request_id in self._cached
-                                  and state.canvas[start] != self.mask_id) else StepKind.RECOMPUTE
-        masked = [i for i in range(start, end) if state.canvas[i] == self.mask_id][: self.tokens_per_step]
-        for i in masked:
-            state.canvas[i] = FILL_ID
+                                  and canvas[start] != mask) else StepKind.RECOMPUTE
+        masked = []
+        i = canvas.index(mask, start, end)
+        while len(masked) < self.tokens_per_step:
+            masked.append(i)
+            canvas[i] = FILL_ID
+            try:
+                i = canvas.index(mask, i + 1, end)
+            except ValueError:
+                break
         state.num_steps += 1
-        state.finished = self.mask_id not in state.canvas
+        num_masked = canvas.count(mask)
+        state.finished = num_masked == 0
         if state.finished:
             self._cached.discard(state.request_id)
         else:
             self._cached.add(state.request_id)
-        left = [0.5] * sum(1 for i in range(start, end) if state.canvas[i] == self.mask_id)
+        left = canvas[start:end].count(mask)
         return StepResult(state.request_id, kind, block, masked, [FILL_ID] * len(masked), state.finished,
-                          state.num_steps, state.canvas.count(self.mask_id), ConfidenceStats.of(left), threshold)
+                          state.num_steps, num_masked, self._confidence(left), threshold)
+
+    def _confidence(self, num_left: int) -> ConfidenceStats:
+        """The stats of ``num_left`` positions at confidence 0.5 (memoised: the same for every request)."""
+        stats = self._stats.get(num_left)
+        if stats is None:
+            stats = self._stats[num_left] = ConfidenceStats.of([0.5] * num_left)
+        return stats
 
     def decode(self, ids: list[int]) -> str:
         return " ".join(map(str, ids))

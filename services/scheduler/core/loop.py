@@ -33,6 +33,18 @@ class SchedulingLoop:
         self.policy.on_step_result(now, result)
         return self._schedule(now)
 
+    def on_step_results(self, now: float, results: list[StepResult]) -> Decisions:
+        """Several step results that arrived together: each recorded in order, one scheduling pass.
+
+        Equivalent to ``on_step_result`` for a single result; for several, the policy re-plans all
+        their requests at once (what the service does with the results that queued up while it was
+        busy) instead of once per result.
+        """
+        for result in results:
+            self.view.apply_step_result(now, result)
+            self.policy.on_step_result(now, result)
+        return self._schedule(now)
+
     def on_prediction(self, now: float, request_id: str, prediction: Prediction) -> None:
         """A prediction that arrived on its own; used when the request is next re-planned."""
         self.view.set_prediction(request_id, prediction)

@@ -61,3 +61,24 @@ def test_equal_latency_instances_tie_break_on_the_lowest_row(profile):
     loop = SchedulingLoop(make_policy("dilaserve"), make_view(profile, [1, 1, 1]))
     decisions = loop.on_arrivals(0.0, [make_request("a"), make_request("b"), make_request("c")])
     assert [a.instance_id for a in decisions.assignments] == ["i0", "i1", "i2"]
+
+
+def test_step_results_of_several_instances_are_replanned_in_one_pass(profile):
+    """``on_step_results``: each result recorded, one scheduling pass re-plans all their requests."""
+    for policy in ("dilaserve", "fixed", "llumnix", "infaas"):
+        one = SchedulingLoop(make_policy(policy), make_view(profile, [1, 1]))
+        many = SchedulingLoop(make_policy(policy), make_view(profile, [1, 1]))
+        for loop in (one, many):
+            first = loop.on_arrivals(0.0, [make_request("a"), make_request("b")])
+            assert {a.request_id for a in first.assignments} == {"a", "b"}, policy
+        results = [step_result(a.instance_id, outcome(a.request_id, 4)) for a in first.assignments]
+        decisions = many.on_step_results(1.0, results)
+        assert {a.request_id for a in decisions.assignments} == {"a", "b"}, policy
+        for rid in ("a", "b"):
+            assert many.view.requests[rid].num_steps_done == 1, policy
+            assert many.view.requests[rid].num_tokens_committed == 4, policy
+        # a single result: the same as on_step_result
+        d_one = one.on_step_result(1.0, results[0])
+        d_many = many.on_step_results(2.0, [step_result(decisions.assignments[0].instance_id,
+                                                        outcome(decisions.assignments[0].request_id, 4))])
+        assert len(d_one.assignments) == len(d_many.assignments) == 1, policy

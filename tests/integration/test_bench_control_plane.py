@@ -1,0 +1,36 @@
+"""``bench.control_plane`` at a tiny size: it runs end to end and writes the summary fields.
+
+Behaviour only (the JSON's shape and that steps ran), never timings: the benchmark's figures depend
+on the machine and its load.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_control_plane_bench_writes_its_summary(tmp_path):
+    out = tmp_path / "cp.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.control_plane", "--instances", "2", "--requests", "8", "--gen-length", "32",
+         "--warmup", "0.5", "--duration", "1", "--json", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=180,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["instances"] == 2 and report["requests"] == 8
+    assert {"p50", "p99"} <= set(report["overhead_ms"])
+    assert {"nats_rtt", "redis_rtt"} <= set(report["floor_ms"])
+    assert report["overhead_ms"]["samples"] > 0
+    assert report["steps_per_s"] > 0
+    for value in (*report["overhead_ms"].values(), *report["floor_ms"].values()):
+        assert value >= 0
