@@ -23,7 +23,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,13 +32,10 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.common import emit_json
+from shared.runtime import free_port
+
 PROFILE = "profiles/llada-8b-h100.json"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --- the worker process ---------------------------------------------------------------------------
@@ -334,11 +330,7 @@ def main(argv: list[str] | None = None) -> int:
             stack.stop()
     floor = report["floor_ms"]
     report["overhead_over_floor"] = report["overhead_ms"]["p50"] / (3 * floor["nats_rtt"] + floor["redis_rtt"])
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(text + "\n")
+    emit_json(report, args.json)
     return 0
 
 

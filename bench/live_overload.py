@@ -16,20 +16,15 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
 
+from bench.common import emit_json
 from loadgen.driver import poisson_plan, run_plan, summarize
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from shared.runtime import free_port
 
 
 def start_stack(policy: str, args, run_dir: Path) -> tuple[subprocess.Popen, str]:
@@ -99,11 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     for policy in args.policies.split(","):
         report["policies"][policy] = run_policy(policy, args)
         print(json.dumps({policy: report["policies"][policy]}), file=sys.stderr, flush=True)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(text + "\n")
+    emit_json(report, args.json)
     return 0
 
 

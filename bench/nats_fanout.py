@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+
+from bench.common import emit_json
 
 
 async def run(args, nats_url: str) -> dict:
@@ -90,8 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
 
-    from bench.control_plane import free_port
     from services.stack import Stack, start_nats
+    from shared.runtime import free_port
 
     with tempfile.TemporaryDirectory() as tmp:
         stack = Stack(Path(tmp))
@@ -101,11 +102,7 @@ def main(argv: list[str] | None = None) -> int:
             report = asyncio.run(run(args, nats_url))
         finally:
             stack.stop()
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(text + "\n")
+    emit_json(report, args.json)
     return 0
 
 

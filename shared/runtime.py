@@ -18,3 +18,32 @@ def freeze_startup_heap() -> None:
     """Collect once, then freeze what survives (idempotent; call after a service's start-up)."""
     gc.collect()
     gc.freeze()
+
+
+async def connect_nats(settings, name: str):
+    """A NATS connection for a service: every URL of ``settings.nats_url``, reconnecting forever."""
+    import nats
+
+    return await nats.connect(settings.nats_url.split(","), max_reconnect_attempts=-1, name=name)
+
+
+def on_stop_signals(callback=None):
+    """Call ``callback`` on SIGTERM and SIGINT (default: set the returned event); returns the event
+    a service's ``serve`` waits on."""
+    import asyncio
+    import signal
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, callback or stop.set)
+    return stop
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now (for local servers and tests)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

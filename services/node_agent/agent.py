@@ -46,6 +46,7 @@ from shared.messages.control import (
     WorkerStatus,
 )
 from shared.metrics import NodeAgentMetrics, serve_metrics
+from shared.runtime import connect_nats, on_stop_signals
 from shared.settings import NodeAgentSettings
 from shared.subjects import SubjectError, Subjects, check_id
 from shared.telemetry import extract_context, setup_tracing, shutdown_tracing, tracer
@@ -442,17 +443,12 @@ def _signal(pid: int, sig: signal.Signals, group: bool) -> None:
 
 async def serve(settings: NodeAgentSettings) -> None:
     """Run until SIGTERM or SIGINT, then stop every worker."""
-    import nats
 
     agent = NodeAgent(settings, None)  # bad settings fail before anything starts
     setup_tracing("dls-node-agent", settings)
     serve_metrics(agent.metrics.registry, settings.metrics_port, settings.metrics_host)
-    agent.nc = await nats.connect(settings.nats_url.split(","), max_reconnect_attempts=-1,
-                                  name=f"dls-node-agent-{settings.node}")
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    agent.nc = await connect_nats(settings, f"dls-node-agent-{settings.node}")
+    stop = on_stop_signals()
     try:
         await agent.start()
         await stop.wait()

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import signal
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +38,7 @@ from shared.messages.predictor import (
     StepPrediction,
 )
 from shared.metrics import PredictorMetrics, serve_metrics
+from shared.runtime import connect_nats, on_stop_signals
 from shared.settings import PredictorSettings
 from shared.subjects import Subjects
 from shared.telemetry import extract_context, setup_tracing, shutdown_tracing, tracer
@@ -185,17 +185,13 @@ class PredictorService:
 
 async def serve(settings: PredictorSettings) -> None:
     """Run until SIGTERM or SIGINT."""
-    import nats
 
     setup_tracing("dls-predictor", settings)
     service = PredictorService(settings, nc=None)
     await asyncio.to_thread(service.load_models)
     serve_metrics(service.metrics.registry, settings.metrics_port, settings.metrics_host)
-    service.nc = await nats.connect(settings.nats_url.split(","), max_reconnect_attempts=-1, name="dls-predictor")
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    service.nc = await connect_nats(settings, "dls-predictor")
+    stop = on_stop_signals()
     await service.start()
     try:
         await stop.wait()

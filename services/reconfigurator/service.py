@@ -26,7 +26,6 @@ import asyncio
 import itertools
 import json
 import logging
-import signal
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -60,6 +59,7 @@ from shared.messages.control import (
 )
 from shared.metrics import ReconfiguratorMetrics, serve_metrics
 from shared.profiles import LatencyProfile
+from shared.runtime import connect_nats, on_stop_signals
 from shared.settings import ReconfiguratorSettings
 from shared.subjects import Subjects
 from shared.telemetry import inject_headers, setup_tracing, shutdown_tracing, tracer
@@ -432,17 +432,13 @@ class ReconfiguratorService:
 
 async def serve(settings: ReconfiguratorSettings) -> None:
     """Run until SIGTERM or SIGINT."""
-    import nats
 
     service = ReconfiguratorService(settings, None, LatencyProfile.load(settings.profile))  # bad files fail first
     setup_tracing("dls-reconfigurator", settings)
     serve_metrics(service.metrics.registry, settings.metrics_port, settings.metrics_host)
-    nc = await nats.connect(settings.nats_url.split(","), max_reconnect_attempts=-1, name="dls-reconfigurator")
+    nc = await connect_nats(settings, "dls-reconfigurator")
     service.nc = nc
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = on_stop_signals()
     await service.start()
     try:
         await stop.wait()

@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -61,7 +60,7 @@ from shared.messages.steps import StepCommand, StepItem, StepResults
 from shared.metrics import SchedulerMetrics, predictor_error, serve_metrics
 from shared.profiles import LatencyProfile, ProfileError
 from shared.retry import retry_transient
-from shared.runtime import freeze_startup_heap
+from shared.runtime import connect_nats, freeze_startup_heap, on_stop_signals
 from shared.settings import SchedulerSettings
 from shared.state import RequestRecord, StaleStateError, StateStore
 from shared.state import RequestStatus as StoredStatus
@@ -873,20 +872,16 @@ def read_mask_token_id(model_dir: str) -> int:
 
 
 async def serve(settings: SchedulerSettings) -> None:
-    import nats
 
     from shared.state import RedisStateStore
 
     setup_tracing("dls-scheduler", settings)
-    nc = await nats.connect(settings.nats_url.split(","), max_reconnect_attempts=-1, name="dls-scheduler")
+    nc = await connect_nats(settings, "dls-scheduler")
     store = RedisStateStore.from_url(settings.redis_url, settings.redis_key_prefix,
                                      completed_ttl_s=settings.completed_ttl_s)
     service = SchedulerService(settings, nc, nc.jetstream(), store,
                                mask_token_id=read_mask_token_id(settings.model_dir))
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    stop = on_stop_signals()
     await service.start()
     try:
         await stop.wait()

@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -44,7 +43,7 @@ from shared.messages.steps import RequestStepResult, StepCommand, StepFailure, S
 from shared.metrics import WorkerMetrics, serve_metrics
 from shared.profiles import LatencyProfile
 from shared.retry import retry_transient
-from shared.runtime import freeze_startup_heap
+from shared.runtime import connect_nats, freeze_startup_heap, on_stop_signals
 from shared.settings import WorkerSettings
 from shared.state import RequestRecord, RequestStatus, StateStore, StepRecord
 from shared.subjects import Subjects
@@ -450,18 +449,15 @@ def make_engine(settings: WorkerSettings):
 
 
 async def serve(settings: WorkerSettings) -> None:
-    import nats
 
     from shared.state import RedisStateStore
 
     setup_tracing("dls-worker", settings)
     engine = await asyncio.to_thread(make_engine, settings)
-    nc = await nats.connect(settings.nats_url.split(","), max_reconnect_attempts=-1, name="dls-worker")
+    nc = await connect_nats(settings, "dls-worker")
     store = RedisStateStore.from_url(settings.redis_url, settings.redis_key_prefix)
     service = WorkerService(settings, engine, nc, store)
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, service.drain)
+    on_stop_signals(service.drain)
     await service.start()
     try:
         await service.wait_stopped()

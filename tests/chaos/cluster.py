@@ -31,6 +31,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from services.stack import service_env
+from shared.runtime import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 PACE_PROFILE = "profiles/llada-8b-h100.json"
@@ -39,12 +40,6 @@ SERVICES = ("scheduler", "predictor", "node_agent", "gateway")
 
 class ChaosError(RuntimeError):
     """The cluster could not be started or did not recover as it should."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def listening(port: int) -> bool:

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from shared.runtime import free_port
+
 START_TIMEOUT_S = 15.0
 
 
@@ -28,12 +30,6 @@ class ServerProcess:
     port: int
     process: subprocess.Popen
     log_path: Path
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def nats_server_binary() -> str:

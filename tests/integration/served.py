@@ -5,7 +5,6 @@ background thread, so a test can drive it from outside (httpx, ``dls loadgen``, 
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 import time
 import urllib.request
@@ -16,23 +15,18 @@ import uvicorn
 
 from services.gateway.app import create_app
 from services.gateway.bus import GatewayBus
+from shared.runtime import free_port
 from shared.settings import GatewaySettings
 from tests.integration.live import LiveCluster
 
 START_TIMEOUT_S = 120.0
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @contextmanager
 def served_stack(nats_url: str, redis_url: str, prefix: str, num_workers: int = 2,
                  **worker_overrides) -> Iterator[str]:
     """Yields the gateway's base URL once ``/readyz`` answers 200; stops everything on exit."""
-    port = _free_port()
+    port = free_port()
     loop = asyncio.new_event_loop()
     started = threading.Event()
     stop = asyncio.Event()

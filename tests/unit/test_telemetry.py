@@ -24,6 +24,7 @@ from shared.metrics import (
     render,
     serve_metrics,
 )
+from shared.runtime import free_port
 from shared.settings import SchedulerSettings
 from tests.unit.gateway.gateway_builders import MODEL, client
 
@@ -121,7 +122,7 @@ def test_metrics_are_served_over_http_and_off_on_port_zero():
     assert serve_metrics(SchedulerMetrics().registry, 0) is None
     metrics = SchedulerMetrics()
     metrics.finished.inc()
-    server = serve_metrics(metrics.registry, port=_free_port())
+    server = serve_metrics(metrics.registry, port=free_port())
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{server.server_port}/metrics", timeout=5) as reply:
             assert "dls_scheduler_requests_finished_total 1.0" in reply.read().decode()
@@ -145,11 +146,3 @@ def test_the_gateway_serves_metrics_after_a_request():
     assert reply.status_code == 200 and reply.headers["content-type"].startswith("text/plain")
     assert 'dls_gateway_http_requests_total{route="/v1/completions",status="200"} 1.0' in reply.text
     assert 'dls_gateway_http_request_seconds_count{route="/v1/completions"} 1.0' in reply.text
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
