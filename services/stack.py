@@ -47,6 +47,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="pace workers to a latency profile (e.g. profiles/llada-8b-h100.json) to emulate GPUs")
     p.add_argument("--pace-scale", type=float, default=1.0,
                    help="multiply paced step times (e.g. 10.8: one bundled-model step as ~11 LLaDA-8B steps)")
+    p.add_argument("--pace-context", type=int, default=None, metavar="TOKENS",
+                   help="paced latencies apply at this context; steps scale by their requests' context "
+                        "(as the simulator, whose anchor sim.json reports as profile_anchor_context_tokens)")
     p.add_argument("--model", default="models/dls-tiny", help="model directory")
     p.add_argument("--run-dir", default="runs/stack", help="logs and server data go here")
     p.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for the gateway")
@@ -183,8 +186,10 @@ def service_env(args, nats_url: str, redis_url: str) -> dict[str, str]:
     if args.pace:
         env["DLS_WORKER_PACE_PROFILE"] = args.pace
         env["DLS_WORKER_PACE_SCALE"] = env["DLS_GATEWAY_PROFILE_SCALE"] = str(args.pace_scale)
-    elif args.pace_scale != 1.0:
-        raise CliError("--pace-scale needs --pace")
+        if args.pace_context:
+            env["DLS_WORKER_PACE_CONTEXT_TOKENS"] = str(args.pace_context)
+    elif args.pace_scale != 1.0 or args.pace_context:
+        raise CliError("--pace-scale and --pace-context need --pace")
     return env
 
 

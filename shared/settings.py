@@ -135,6 +135,10 @@ class WorkerSettings(ServiceSettings):
     pace_scale: float = _own("worker", "pace_scale", 1.0,
                              "multiply the paced latencies by this (e.g. one small-model step as many big-model steps)",
                              gt=0)
+    pace_context_tokens: int | None = _own(
+        "worker", "pace_context_tokens", None,
+        "context (prompt + generation tokens) at which the paced latencies apply; a step's recompute part is "
+        "scaled by its requests' mean context over it; unset: the profile's latencies as they are", gt=0)
     pace_profile: str | None = _own("worker", "pace_profile", None,
                                     "latency profile to pace steps to (emulate a GPU); unset: run at own speed")
 

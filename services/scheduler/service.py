@@ -26,6 +26,7 @@ half-updated.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -396,6 +397,8 @@ class SchedulerService:
             profile = self._profiles[path]
             if beat.profile_scale != 1.0 and path == beat.profile:
                 profile = profile.scaled(beat.profile_scale)
+            if beat.profile_context_tokens and path == beat.profile:  # anchored as the worker paces it
+                profile = dataclasses.replace(profile, context_tokens=beat.profile_context_tokens)
             if beat.tp in profile.tp_degrees:
                 return profile
             lower = [tp for tp in profile.tp_degrees if tp < beat.tp]

@@ -23,6 +23,7 @@ A thin loop around the engine (``services/worker/engine.py``, or ``tp.py`` for d
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import time
@@ -97,6 +98,8 @@ class WorkerService:
         self.pace = None  # the latency profile steps are stretched to (None: no pacing)
         if settings.pace_profile:
             self.pace = LatencyProfile.load(settings.pace_profile).scaled(settings.pace_scale)
+            if settings.pace_context_tokens:  # anchored: a request of that context costs one profiled step
+                self.pace = dataclasses.replace(self.pace, context_tokens=settings.pace_context_tokens)
         self.local: dict[str, _Local] = {}  # request id -> its local copy
         self.num_steps = 0
         self.num_malformed = 0
@@ -176,6 +179,7 @@ class WorkerService:
             instance_id=self.instance_id, node=self.settings.node, tp=self.settings.tp,
             gpu_ids=list(self.settings.gpu_ids), max_batch=self.settings.max_batch, model=self.engine.name,
             profile=self.profile_name, profile_scale=self.settings.pace_scale if self.pace else 1.0,
+            profile_context_tokens=(self.settings.pace_context_tokens or 0) if self.pace else 0,
             status=self.status, num_resident=len(self.local),
             ttl_s=self.settings.lease_ttl_s, sent_at=self.clock(), started_at=self.started_at,
             metrics_port=self._metrics_server.server_port if self._metrics_server is not None else 0,
@@ -228,7 +232,7 @@ class WorkerService:
         else:  # an engine that computes nothing (the zero-compute fake): a thread hop would cost more
             outcomes = self.engine.step(batch)
         if self.pace is not None and batch:
-            await self._pace(t0, outcomes)
+            await self._pace(t0, outcomes, [state for state, _ in batch])
         duration = time.perf_counter() - t0
         now = self.clock()
         new_records, new_steps = [], {}  # request id -> its step record
@@ -360,13 +364,17 @@ class WorkerService:
                            finish_reason="stop" if eos in state.canvas else "length")
         return msgspec.structs.replace(record, **changes)
 
-    async def _pace(self, t0: float, outcomes) -> None:
-        contexts = [o for o in outcomes if int(o.kind) == int(WireStepKind.RECOMPUTE)]
+    async def _pace(self, t0: float, outcomes, states) -> None:
+        contexts = [len(s.prompt_ids) + s.gen_length for s, o in zip(states, outcomes, strict=True)
+                    if int(o.kind) == int(WireStepKind.RECOMPUTE)]  # the full forwards' tokens
         num_cache = len(outcomes) - len(contexts)
         tp = self.settings.tp
         target = 0.0
         if contexts:
-            target += self.pace.step_latency(tp, len(contexts), recompute=True)
+            recompute = self.pace.step_latency(tp, len(contexts), recompute=True)
+            if self.settings.pace_context_tokens:  # as the simulator's timer: by the group's mean context
+                recompute *= sum(contexts) / len(contexts) / self.pace.context_tokens
+            target += recompute
         if num_cache:
             target += self.pace.step_latency(tp, num_cache, recompute=False)
         wait = target - (time.perf_counter() - t0)

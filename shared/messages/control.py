@@ -36,6 +36,7 @@ class WorkerHeartbeat(Message, kw_only=True):
     model: str  # the model it serves
     profile: str = ""  # latency profile the scheduler should use for it (name or path)
     profile_scale: float = 1.0  # its steps take this many times the profile's latencies (paced workers)
+    profile_context_tokens: int = 0  # the context its paced latencies apply at (0: the profile's own)
     status: WorkerStatus = WorkerStatus.READY  # its state
     num_resident: int = 0  # requests whose local copy (and KV cache) it holds
     ttl_s: float  # the lease lasts this long after sent_at

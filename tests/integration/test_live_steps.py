@@ -193,3 +193,25 @@ def test_a_tensor_parallel_instance_gives_the_tokens_of_tp1(nats_server, redis_s
             tp_engine.close()
 
     run(main())
+
+
+def test_a_paced_worker_with_an_anchor_is_planned_with_that_context(nats_server, redis_server, unique_prefix):
+    """`DLS_WORKER_PACE_CONTEXT_TOKENS`: the scheduler plans the instance with the profile scaled and
+    anchored as the worker paces it (as the simulator anchors its profile at the workload's context)."""
+    from shared.profiles import LatencyProfile
+
+    async def main():
+        cluster = LiveCluster(nats_server.url, redis_server.url, unique_prefix)
+        await cluster.start(num_workers=0)
+        try:
+            worker = await cluster.add_worker(pace_profile=H100_PROFILE, pace_scale=3.0, pace_context_tokens=64)
+            planned = cluster.scheduler.view.instances[worker.instance_id].profile
+            raw = LatencyProfile.load(H100_PROFILE)
+            assert planned.context_tokens == 64 == worker.pace.context_tokens
+            assert planned.alpha(1, 4) == pytest.approx(3.0 * raw.alpha(1, 4))
+            final = (await cluster.submit(engine().encode("12+30="))).final
+            assert isinstance(final, RequestFinished) and final.text.strip() == "42"
+        finally:
+            await cluster.close()
+
+    run(main())
