@@ -107,6 +107,9 @@ class SchedulerSettings(ServiceSettings):
     intake_batch: int = _own("scheduler", "intake_batch", 64, "most intake messages fetched at once", gt=0)
     ack_wait_s: float = _own("scheduler", "ack_wait_s", 30.0,
                              "an intake message not acked within this long is redelivered", gt=0)
+    predict_wait_s: float = _own("scheduler", "predict_wait_s", 0.05,
+                                 "hold a step's results this long at most for the fresh predictions, so the next "
+                                 "thresholds use them; 0: predictions always arrive asynchronously", ge=0)
     predictor_timeout_s: float = _own("scheduler", "predictor_timeout_s", 0.5,
                                       "wait this long for a prediction before keeping the last one", gt=0)
     stats_interval_s: float = _own("scheduler", "stats_interval_s", 10.0, "period of workload stats", gt=0)

@@ -533,32 +533,63 @@ class SchedulerService:
         if self._stopping.is_set():
             return
         try:
-            self._handle_results(batch)
+            collected = self._collect_results(batch)
+            if not collected:
+                return
+            stepped = [o.request_id for _, _, outcomes, _ in collected for o in outcomes if not o.finished]
+            if self.settings.predict_wait_s > 0 and stepped and self.clock() >= self._predictor_down_until:
+                self._tasks.append(asyncio.create_task(self._apply_after_predictions(collected, stepped)))
+            else:
+                self._apply_results(collected, {})
         except Exception:  # noqa: BLE001 (a bug must not stop the step loop: log it, keep serving)
             logger.exception("handling %d step result(s) failed", len(batch))
 
-    def _handle_results(self, batch: list[StepResults]) -> None:
-        """Record a batch of step results, re-plan once (``on_step_results``), dispatch, predict."""
+    def _collect_results(self, batch: list[StepResults]) -> list[tuple]:
+        """Record each worker's results on the service's side; the core hears of them in
+        ``_apply_results``. Until then the instances stay busy, so nothing re-dispatches their requests."""
         now = self.clock()
-        step_results: list[StepResult] = []
-        failures = []  # (instance id, failure) of requests still tracked
-        stepped: list[str] = []  # requests that stepped and go on (fresh predictions)
-        instance_ids: list[str] = []
+        collected = []  # (worker, results, outcomes, failures of requests still tracked)
         for results in batch:
             worker = self.workers.get(results.instance_id)
             if worker is None or worker.busy_step_id != results.step_id:
                 logger.warning("ignoring results of step %d from %s (not the step in flight)", results.step_id,
                                results.instance_id)
                 continue
+            outcomes = self._record_outcomes(results, now)
+            failures = [f for f in results.failures if f.request_id in self.tracked]
+            collected.append((worker, results, outcomes, failures))
+        return collected
+
+    async def _apply_after_predictions(self, collected: list[tuple], stepped: list[str]) -> None:
+        """Fresh predictions for the requests that stepped, waited for at most ``predict_wait_s``, so
+        that their next thresholds use them (a fire-and-forget request would land one step late)."""
+        try:
+            predictions = await self._request_predictions(self._queries(stepped), self.settings.predict_wait_s)
+            self._apply_results(collected, predictions or {})
+        except Exception:  # noqa: BLE001 (a bug must not stop the step loop: log it, keep serving)
+            logger.exception("applying %d step result(s) failed", len(collected))
+
+    def _apply_results(self, collected: list[tuple], predictions: dict[str, Prediction]) -> None:
+        """Tell the core (one ``on_step_results`` pass, predictions attached), dispatch, predict the rest."""
+        now = self.clock()
+        step_results: list[StepResult] = []
+        failures = []  # (instance id, failure)
+        unpredicted: list[str] = []  # requests that stepped and go on without a fresh prediction
+        instance_ids: list[str] = []
+        for worker, results, outcomes, worker_failures in collected:
+            if self.workers.get(results.instance_id) is not worker or worker.busy_step_id != results.step_id:
+                continue  # the instance failed while the predictions were on their way
             worker.busy_step_id = None
             worker.in_flight_ids = []
-            outcomes = self._record_outcomes(results, now)
-            failures += [(results.instance_id, f) for f in results.failures if f.request_id in self.tracked]
+            outcomes = [dataclasses.replace(o, prediction=predictions.get(o.request_id)) for o in outcomes]
             step_results.append(StepResult(results.instance_id, tuple(outcomes), results.duration_s))
-            stepped += [o.request_id for o in outcomes if not o.finished]
+            failures += [(results.instance_id, f) for f in worker_failures]
+            unpredicted += [o.request_id for o in outcomes if not o.finished and o.prediction is None]
             instance_ids.append(results.instance_id)
         if not step_results:
             return
+        for rid, prediction in predictions.items():
+            self._note_prediction(rid, prediction)
         decisions = self.loop.on_step_results(now, step_results)
         for instance_id, failure in failures:
             tracked = self.tracked.get(failure.request_id)
@@ -575,7 +606,7 @@ class SchedulerService:
             self._handle(self.loop.tick(now))
         for instance_id in instance_ids:
             self._check_drained(instance_id)
-        self._ask_predictions(stepped)
+        self._ask_predictions(unpredicted)
 
     def _record_outcomes(self, results: StepResults, now: float) -> list[StepOutcome]:
         """Update the service's side of each request of one worker's results; the core's outcomes."""
@@ -648,8 +679,15 @@ class SchedulerService:
     # --- predictions -----------------------------------------------------------------------------
 
     def _ask_predictions(self, request_ids: list[str]) -> None:
+        """Fire-and-forget: the predictions reach the core when they come (``on_prediction``)."""
         if not request_ids or self.clock() < self._predictor_down_until:
             return  # the last call got no reply: no predictor for a while (the core keeps its estimates)
+        queries = self._queries(request_ids)
+        if queries:
+            self._tasks = [t for t in self._tasks if not t.done()]
+            self._tasks.append(asyncio.create_task(self._predict(queries)))
+
+    def _queries(self, request_ids: list[str]) -> list[PredictionQuery]:
         queries = []
         for rid in request_ids:
             t = self.tracked.get(rid)
@@ -661,37 +699,43 @@ class SchedulerService:
                 block_size=t.block_size or None, confidence=t.confidence, uses_cache=t.uses_cache,
                 threshold=t.threshold,
             ))
-        if queries:
-            self._tasks = [t for t in self._tasks if not t.done()]
-            self._tasks.append(asyncio.create_task(self._predict(queries)))
+        return queries
 
     async def _predict(self, queries: list[PredictionQuery]) -> None:
+        predictions = await self._request_predictions(queries, self.settings.predictor_timeout_s)
+        now = self.clock()
+        for rid, prediction in (predictions or {}).items():
+            self.loop.on_prediction(now, rid, prediction)
+            self._note_prediction(rid, prediction)
+
+    async def _request_predictions(self, queries: list[PredictionQuery], timeout_s: float
+                                   ) -> dict[str, Prediction] | None:
+        """Request id -> prediction from the predictor service; None when it did not answer in time."""
+        if not queries:
+            return {}
         thresholds = sorted(set(self.settings.thresholds))
         request = PredictRequest(queries=queries, thresholds=thresholds)
         span = self._batch_span("scheduler.predict", [q.request_id for q in queries], SpanKind.CLIENT,
                                 {"dls.num_queries": len(queries)}) if tracing_active() else None
         try:
             msg = await self.nc.request(self.subjects.predict, codec.encode(request, self.settings.max_payload_bytes),
-                                        timeout=self.settings.predictor_timeout_s,
+                                        timeout=timeout_s,
                                         headers=(header_context(span) or None) if span is not None else None)
             reply = codec.decode(PredictReply, msg.data, self.settings.max_payload_bytes)
         except Exception as exc:  # noqa: BLE001 (no predictor, timeout: the core keeps its last estimate)
             logger.debug("no prediction (%s); next try in %.1f s", exc, PREDICTOR_RETRY_S)
             self._predictor_down_until = self.clock() + PREDICTOR_RETRY_S
-            return
+            return None
         finally:
             if span is not None:
                 span.end()
         self._predictor_down_until = 0.0
         if reply.error:
             logger.warning("predictor error: %s", reply.error)
-            return
-        now = self.clock()
-        for p in reply.predictions:
-            prediction = Prediction({float(t): (s.recompute_steps, s.cache_steps)
-                                     for t, s in p.threshold_to_steps.items()}, p.made_at_step)
-            self.loop.on_prediction(now, p.request_id, prediction)
-            self._note_prediction(p.request_id, prediction)
+            return None
+        return {p.request_id: Prediction({float(t): (s.recompute_steps, s.cache_steps)
+                                          for t, s in p.threshold_to_steps.items()}, p.made_at_step)
+                for p in reply.predictions}
 
     # --- cancellations, failures, events -----------------------------------------------------------
 
