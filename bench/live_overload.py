@@ -54,7 +54,7 @@ def start_stack(policy: str, args, run_dir: Path) -> tuple[subprocess.Popen, str
 def stop_stack(process: subprocess.Popen) -> None:
     process.send_signal(signal.SIGINT)
     try:
-        process.wait(60)
+        process.wait(300)  # dls up stops each service in turn (workers drain first)
     except subprocess.TimeoutExpired:
         process.kill()
 
