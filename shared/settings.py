@@ -135,6 +135,9 @@ class WorkerSettings(ServiceSettings):
                               gt=0)
     profile: str = _own("worker", "profile", "profiles/dls-tiny-cpu.json",
                         "latency profile the scheduler plans this instance with when it is not paced")
+    drain_timeout_s: float = _own("worker", "drain_timeout_s", 30.0,
+                                  "a draining worker leaves after this long even if requests are still on it "
+                                  "(they resume elsewhere from Redis)", gt=0)
     pace_scale: float = _own("worker", "pace_scale", 1.0,
                              "multiply the paced latencies by this (e.g. one small-model step as many big-model steps)",
                              gt=0)

@@ -105,6 +105,7 @@ class WorkerService:
         self.num_malformed = 0
         self._lock = asyncio.Lock()  # one step at a time
         self._stopped = asyncio.Event()
+        self._drain_expired = False  # drain_timeout_s passed: leave between two steps
         self._subscription = None
         self._tasks: list[asyncio.Task] = []
         self.metrics = WorkerMetrics(self.instance_id)
@@ -131,11 +132,22 @@ class WorkerService:
                     self.engine.name, self.settings.pace_profile or "off")
 
     def drain(self) -> None:
-        """Stop taking new requests; exit once none is held (SIGTERM calls this)."""
+        """Stop taking new requests; exit once none is held, or after ``drain_timeout_s`` between two
+        steps (SIGTERM calls this). Leaving with requests held loses only their local copies and KV
+        caches: their state is in Redis after every step, and the scheduler resumes them elsewhere."""
         if self.status == WorkerStatus.READY:
             logger.info("worker %s draining (%d requests held)", self.instance_id, len(self.local))
             self.status = WorkerStatus.DRAINING
             self._tasks.append(asyncio.create_task(self._heartbeat()))
+            self._tasks.append(asyncio.create_task(self._drain_deadline()))
+            self._check_drained()
+
+    async def _drain_deadline(self) -> None:
+        await asyncio.sleep(self.settings.drain_timeout_s)
+        if self.status == WorkerStatus.DRAINING:
+            logger.info("worker %s: drain timeout with %d requests held; leaving them to the others",
+                        self.instance_id, len(self.local))
+            self._drain_expired = True
             self._check_drained()
 
     async def wait_stopped(self) -> None:
@@ -163,7 +175,8 @@ class WorkerService:
         self._stopped.set()
 
     def _check_drained(self) -> None:
-        if self.status == WorkerStatus.DRAINING and not self.local and not self._lock.locked():
+        done = not self.local or self._drain_expired
+        if self.status == WorkerStatus.DRAINING and done and not self._lock.locked():
             self._tasks.append(asyncio.create_task(self.stop()))
 
     async def _heartbeat_loop(self) -> None:

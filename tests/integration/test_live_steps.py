@@ -215,3 +215,34 @@ def test_a_paced_worker_with_an_anchor_is_planned_with_that_context(nats_server,
             await cluster.close()
 
     run(main())
+
+
+def test_a_draining_worker_with_nowhere_to_send_its_requests_leaves_after_its_timeout(
+        nats_server, redis_server, unique_prefix):
+    """The only instance drains mid-generation: its request cannot move, so the worker leaves after
+    `drain_timeout_s`; the request waits in the queue and finishes, from its state in Redis, on the
+    instance that comes next, with the engine's tokens."""
+    async def main():
+        cluster = LiveCluster(nats_server.url, redis_server.url, unique_prefix, policy="fixed")
+        await cluster.start(num_workers=1, pace_profile=H100_PROFILE, pace_scale=3.0, drain_timeout_s=0.5)
+        only = next(iter(cluster.workers.values()))
+        p = problems(1, max_shots=3, seed=17)[0]
+        drained = asyncio.Event()
+
+        async def on_event(event):
+            if isinstance(event, RequestProgress) and not drained.is_set():
+                drained.set()
+                only.drain()
+                await asyncio.wait_for(only.wait_stopped(), 10)  # left with the request still on it
+                await cluster.add_worker(pace_profile=H100_PROFILE)
+
+        try:
+            outcome = await cluster.submit(engine().encode(p.prompt), stream=True, on_event=on_event)
+            final = outcome.final
+            assert isinstance(final, RequestFinished), final
+            assert final.usage.instance_ids[0] == only.instance_id and len(final.usage.instance_ids) == 2
+            assert final.token_ids == offline_tokens(engine().encode(p.prompt), final.usage.thresholds)
+        finally:
+            await cluster.close()
+
+    run(main())
