@@ -14,7 +14,8 @@ import urllib.request
 
 import pytest
 
-from tests.integration.conftest import free_port
+from shared.runtime import free_port
+from tests.chaos.cluster import descendants
 
 pytestmark = pytest.mark.integration
 
@@ -26,24 +27,6 @@ def _post(url: str, body: dict) -> tuple[int, dict]:
             return reply.status, json.loads(reply.read())
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read() or b"{}")
-
-
-def _children(pid: int) -> set[int]:
-    """Every live descendant of ``pid`` (from /proc)."""
-    parent_of = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                parent_of[int(entry)] = int(fields[1])
-            except (OSError, IndexError, ValueError):
-                continue
-    found, frontier = set(), {pid}
-    while frontier:
-        frontier = {p for p, parent in parent_of.items() if parent in frontier} - found
-        found |= frontier
-    return found
 
 
 def test_dls_up_serves_a_completion_and_stops_cleanly(tmp_path):
@@ -65,8 +48,8 @@ def test_dls_up_serves_a_completion_and_stops_cleanly(tmp_path):
             if "is serving" in line:
                 url = line.rsplit(" at ", 1)[1].strip()
         assert url == f"http://127.0.0.1:{port}", "".join(lines)
-        descendants = _children(process.pid)
-        assert len(descendants) >= 8  # nats, redis, 5 services, 2 workers
+        started = descendants(process.pid)
+        assert len(started) >= 8  # nats, redis, 5 services, 2 workers
         status, answer = _post(f"{url}/v1/completions", {"model": "dls-tiny", "prompt": "12+30=", "max_tokens": 16})
         assert status == 200, answer
         assert answer["choices"][0]["text"].strip() == "42"
@@ -80,7 +63,7 @@ def test_dls_up_serves_a_completion_and_stops_cleanly(tmp_path):
         except subprocess.TimeoutExpired:
             process.kill()
             raise
-    leftover = [pid for pid in descendants if os.path.exists(f"/proc/{pid}") and _is_running(pid)]
+    leftover = [pid for pid in started if os.path.exists(f"/proc/{pid}") and _is_running(pid)]
     assert process.returncode == 0 and not leftover, "".join(lines)
 
 
