@@ -47,3 +47,40 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+EVENT_LOOP_ENV = "DLS_EVENT_LOOP"
+
+
+def event_loop_name() -> str:
+    """The event loop the services run on: ``uvloop`` when it is installed (the default), else
+    ``asyncio``; ``DLS_EVENT_LOOP=asyncio`` forces the standard loop, ``=uvloop`` requires uvloop."""
+    import os
+
+    wanted = os.environ.get(EVENT_LOOP_ENV, "").strip().lower()
+    if wanted not in ("", "uvloop", "asyncio"):
+        raise ValueError(f"{EVENT_LOOP_ENV} must be 'uvloop' or 'asyncio', not {wanted!r}")
+    if wanted == "asyncio":
+        return "asyncio"
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        if wanted == "uvloop":
+            raise ValueError(f"{EVENT_LOOP_ENV}=uvloop but uvloop is not installed (pip install uvloop)") from None
+        return "asyncio"
+    return "uvloop"
+
+
+def run(main):
+    """Run a service's top-level coroutine to completion on the loop ``event_loop_name()`` picks.
+
+    uvloop (libuv) runs the NATS and Redis clients' socket work and task switches in C: in
+    ``bench.control_plane`` it cut both the bare NATS round trip and the step loop's overhead
+    (docs/performance.md)."""
+    import asyncio
+
+    if event_loop_name() == "uvloop":
+        import uvloop
+
+        return uvloop.run(main)
+    return asyncio.run(main)
