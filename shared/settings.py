@@ -112,6 +112,10 @@ class SchedulerSettings(ServiceSettings):
                                  "thresholds use them; 0: predictions always arrive asynchronously", ge=0)
     predictor_timeout_s: float = _own("scheduler", "predictor_timeout_s", 0.5,
                                       "wait this long for a prediction before keeping the last one", gt=0)
+    overlap_min_tokens: int = _own("scheduler", "overlap_min_tokens", 32,
+                                   "overlap: an instance whose requests all have at least this many tokens left and "
+                                   "no block start next gets its next step before the scheduling pass, which then "
+                                   "sets their thresholds for the step after (one step late); 0: off", ge=0)
     stats_interval_s: float = _own("scheduler", "stats_interval_s", 10.0, "period of workload stats", gt=0)
     completed_ttl_s: float = _own("scheduler", "completed_ttl_s", DEFAULT_COMPLETED_TTL_S,
                                   "finished requests stay in Redis this long", gt=0)

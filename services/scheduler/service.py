@@ -175,7 +175,8 @@ class SchedulerService:
         self._window_start = clock()
         self._window_arrivals: list[Arrival] = []
         self._window = {"finished": 0, "slo_met": 0, "rejected": 0, "threshold_sum": 0.0, "steps": 0}
-        self.counters = {"malformed": 0, "lost_steps": 0, "failed_steps": 0, "migrations": 0}
+        self.counters = {"malformed": 0, "lost_steps": 0, "failed_steps": 0, "migrations": 0,
+                         "continued_steps": 0}
         self.metrics = SchedulerMetrics()
         self._metrics_server = None
         self._tracer = tracer("dls.scheduler")
@@ -183,6 +184,8 @@ class SchedulerService:
         self._results_scheduled = False  # a _drain_results call is scheduled
         self._outbox: list[tuple[str, bytes, dict | None]] = []  # step commands to publish, in order
         self._outbox_task: asyncio.Task | None = None
+        self._deferred: list[Callable[[], None]] = []  # work to run once the queued commands are written
+        self._threshold_samples: list[float] = []  # step thresholds not yet in the histogram
         self._predictor_down_until = 0.0  # no predict calls before this (the last one got no reply)
 
     # --- lifecycle -------------------------------------------------------------------------------
@@ -536,8 +539,11 @@ class SchedulerService:
             collected = self._collect_results(batch)
             if not collected:
                 return
+            if self.settings.overlap_min_tokens > 0:
+                self._apply_overlapped(collected)
+                return
             stepped = [o.request_id for _, _, outcomes, _ in collected for o in outcomes if not o.finished]
-            if self.settings.predict_wait_s > 0 and stepped and self.clock() >= self._predictor_down_until:
+            if self._waits_for_predictions(stepped):
                 self._tasks.append(asyncio.create_task(self._apply_after_predictions(collected, stepped)))
             else:
                 self._apply_results(collected, {})
@@ -569,28 +575,28 @@ class SchedulerService:
         except Exception:  # noqa: BLE001 (a bug must not stop the step loop: log it, keep serving)
             logger.exception("applying %d step result(s) failed", len(collected))
 
-    def _apply_results(self, collected: list[tuple], predictions: dict[str, Prediction]) -> None:
-        """Tell the core (one ``on_step_results`` pass, predictions attached), dispatch, predict the rest."""
-        now = self.clock()
+    def _waits_for_predictions(self, stepped: list[str]) -> bool:
+        return self.settings.predict_wait_s > 0 and bool(stepped) and self.clock() >= self._predictor_down_until
+
+    def _release(self, collected: list[tuple], predictions: dict[str, Prediction]):
+        """Free the instances whose results these are: (the core's step results, failures as
+        (instance id, failure), instance ids); instances that failed meanwhile are left out."""
         step_results: list[StepResult] = []
         failures = []  # (instance id, failure)
-        unpredicted: list[str] = []  # requests that stepped and go on without a fresh prediction
         instance_ids: list[str] = []
         for worker, results, outcomes, worker_failures in collected:
             if self.workers.get(results.instance_id) is not worker or worker.busy_step_id != results.step_id:
                 continue  # the instance failed while the predictions were on their way
             worker.busy_step_id = None
             worker.in_flight_ids = []
-            outcomes = [dataclasses.replace(o, prediction=predictions.get(o.request_id)) for o in outcomes]
+            if predictions:
+                outcomes = [dataclasses.replace(o, prediction=predictions.get(o.request_id)) for o in outcomes]
             step_results.append(StepResult(results.instance_id, tuple(outcomes), results.duration_s))
             failures += [(results.instance_id, f) for f in worker_failures]
-            unpredicted += [o.request_id for o in outcomes if not o.finished and o.prediction is None]
             instance_ids.append(results.instance_id)
-        if not step_results:
-            return
-        for rid, prediction in predictions.items():
-            self._note_prediction(rid, prediction)
-        decisions = self.loop.on_step_results(now, step_results)
+        return step_results, failures, instance_ids
+
+    def _requeue_failed(self, failures: list) -> None:
         for instance_id, failure in failures:
             tracked = self.tracked.get(failure.request_id)
             if tracked is None:
@@ -601,12 +607,72 @@ class SchedulerService:
             tracked.holder_id = None
             tracked.resyncing = True
             self._tasks.append(asyncio.create_task(self._resync(failure.request_id)))
+
+    def _apply_results(self, collected: list[tuple], predictions: dict[str, Prediction]) -> None:
+        """Tell the core (one ``on_step_results`` pass, predictions attached), dispatch, predict the rest."""
+        now = self.clock()
+        step_results, failures, instance_ids = self._release(collected, predictions)
+        if not step_results:
+            return
+        unpredicted = [o.request_id for r in step_results for o in r.outcomes  # go on without a fresh prediction
+                       if not o.finished and o.prediction is None]
+        for rid, prediction in predictions.items():
+            self._note_prediction(rid, prediction)
+        decisions = self.loop.on_step_results(now, step_results)
+        self._requeue_failed(failures)
         self._handle(decisions)
         if failures:
             self._handle(self.loop.tick(now))
         for instance_id in instance_ids:
             self._check_drained(instance_id)
         self._ask_predictions(unpredicted)
+
+    # overlap (settings.overlap_min_tokens > 0): the pass off the critical path
+
+    def _apply_overlapped(self, collected: list[tuple]) -> None:
+        """Instances whose requests simply go on get their next step before any scheduling pass
+        (``SchedulingLoop.continue_steps``); once those commands are written, the pass for the rest
+        (after the fresh predictions, as without overlap) and the continued requests' next
+        thresholds (``SchedulingLoop.replan``)."""
+        step_results, failures, instance_ids = self._release(collected, {})
+        if not step_results:
+            return
+        now = self.clock()
+        cont = self.loop.continue_steps(now, step_results, self.settings.overlap_min_tokens)
+        if cont.continued_ids:
+            self.counters["continued_steps"] += len({self.view.requests[rid].instance_id for rid in cont.continued_ids
+                                                     if rid in self.view.requests})
+            self._handle(cont.decisions)
+        stepped = [o.request_id for r in step_results for o in r.outcomes if not o.finished]
+        self._after_dispatch(lambda: self._overlap_rest(cont, failures, instance_ids, stepped))
+
+    def _overlap_rest(self, cont, failures: list, instance_ids: list[str], stepped: list[str]) -> None:
+        self._requeue_failed(failures)
+        if self._waits_for_predictions(stepped):
+            self._tasks = [t for t in self._tasks if not t.done()]
+            self._tasks.append(asyncio.create_task(self._overlap_after_predictions(cont, instance_ids, stepped)))
+        else:
+            self._overlap_pass(cont, instance_ids)
+            self._ask_predictions(stepped)
+
+    async def _overlap_after_predictions(self, cont, instance_ids: list[str], stepped: list[str]) -> None:
+        try:
+            predictions = await self._request_predictions(self._queries(stepped), self.settings.predict_wait_s)
+            now = self.clock()
+            for rid, prediction in (predictions or {}).items():
+                self.loop.on_prediction(now, rid, prediction)
+                self._note_prediction(rid, prediction)
+            self._overlap_pass(cont, instance_ids)
+        except Exception:  # noqa: BLE001 (a bug must not stop the step loop: log it, keep serving)
+            logger.exception("the scheduling pass after %d step result(s) failed", len(instance_ids))
+
+    def _overlap_pass(self, cont, instance_ids: list[str]) -> None:
+        now = self.clock()
+        if cont.needs_pass or self.view.ready_ids:  # failed steps' requests are READY again too
+            self._handle(self.loop.tick(now))
+        self.loop.replan(now, cont.continued_ids)
+        for instance_id in instance_ids:
+            self._check_drained(instance_id)
 
     def _record_outcomes(self, results: StepResults, now: float) -> list[StepOutcome]:
         """Update the service's side of each request of one worker's results; the core's outcomes."""
@@ -628,7 +694,7 @@ class SchedulerService:
             tracked.threshold = r.threshold
             window["threshold_sum"] += r.threshold
             window["steps"] += 1
-            self.metrics.threshold.observe(r.threshold)
+            self._threshold_samples.append(r.threshold)
             tracked.threshold_sum += r.threshold
             tracked.num_threshold_steps += 1
             outcomes.append(StepOutcome(r.request_id, len(r.committed_positions), r.block_done, r.finished,
@@ -642,7 +708,15 @@ class SchedulerService:
                 self._observe_finish(r.request_id, tracked, request, r.num_steps, now)
         if outcomes:
             self.metrics.steps.inc(len(outcomes))
+            if len(self._threshold_samples) == len(outcomes):  # the first of this batch: observe them later
+                self._after_dispatch(self._observe_thresholds)
         return outcomes
+
+    def _observe_thresholds(self) -> None:
+        """The step thresholds' histogram, filled once the step commands are out (off the hot path)."""
+        samples, self._threshold_samples = self._threshold_samples, []
+        for threshold in samples:
+            self.metrics.threshold.observe(threshold)
 
     async def _resync(self, request_id: str) -> None:
         """Reload a request whose step was lost or failed, and catch the core up with what Redis says."""
@@ -786,17 +860,36 @@ class SchedulerService:
     def _publish(self, subject: str, message, headers: dict[str, str] | None = None) -> None:
         """Publish from synchronous code: queued, in order, and sent by one task per loop turn."""
         self._outbox.append((subject, codec.encode(message, self.settings.max_payload_bytes), headers))
+        self._kick_outbox()
+
+    def _after_dispatch(self, work: Callable[[], None]) -> None:
+        """Run ``work`` once the step commands queued so far are written to the socket."""
+        self._deferred.append(work)
+        self._kick_outbox()
+
+    def _kick_outbox(self) -> None:
         if self._outbox_task is None or self._outbox_task.done():
             self._outbox_task = asyncio.create_task(self._send_outbox())
 
     async def _send_outbox(self) -> None:
-        while self._outbox:
-            batch, self._outbox = self._outbox, []
-            for subject, data, headers in batch:
-                try:
-                    await self.nc.publish(subject, data, headers=headers)
-                except Exception as exc:  # noqa: BLE001 (NATS gone: the step times out and is retried)
-                    logger.warning("could not publish to %s: %s", subject, exc)
+        while self._outbox or self._deferred:
+            while self._outbox:
+                batch, self._outbox = self._outbox, []
+                for subject, data, headers in batch:
+                    try:
+                        await self.nc.publish(subject, data, headers=headers)
+                    except Exception as exc:  # noqa: BLE001 (NATS gone: the step times out and is retried)
+                        logger.warning("could not publish to %s: %s", subject, exc)
+            if self._deferred:
+                await asyncio.sleep(0)  # the NATS client's flusher, woken by those publishes, writes first
+                work, self._deferred = self._deferred, []
+                for fn in work:
+                    if self._stopping.is_set():
+                        break
+                    try:
+                        fn()
+                    except Exception:  # noqa: BLE001 (a bug must not stop the step loop: log it, keep serving)
+                        logger.exception("deferred scheduling work failed")
 
     # --- telemetry (shared/telemetry.py, shared/metrics.py) ----------------------------------------
 

@@ -71,6 +71,30 @@ def test_fifty_concurrent_requests_get_the_engines_answers(nats_server, redis_se
     run(main())
 
 
+def test_overlapped_steps_keep_the_engines_answers(nats_server, redis_server, unique_prefix):
+    """Overlap (a step continued before the scheduling pass, thresholds replanned one step late),
+    made to apply to the bundled model's short answers: every request still ends with the engine's
+    tokens at the thresholds its steps ran with."""
+    async def main():
+        cluster = LiveCluster(nats_server.url, redis_server.url, unique_prefix,
+                              scheduler_overrides={"overlap_min_tokens": 2})
+        await cluster.start(num_workers=1)
+        try:
+            batch = problems(12, seed=5)
+            outcomes = []
+            for k in range(0, len(batch), 2):  # two at a time: a step continues only if no request on it starts a block
+                outcomes += await asyncio.gather(*[cluster.submit(engine().encode(p.prompt)) for p in batch[k:k + 2]])
+            for p, outcome in zip(batch, outcomes, strict=True):
+                final = outcome.final
+                assert isinstance(final, RequestFinished), final
+                assert final.token_ids == offline_tokens(engine().encode(p.prompt), final.usage.thresholds), p.prompt
+            assert cluster.scheduler.counters["continued_steps"] > 0
+        finally:
+            await cluster.close()
+
+    run(main())
+
+
 def test_a_migrated_request_finishes_with_the_same_tokens(nats_server, redis_server, unique_prefix):
     async def main():
         cluster = LiveCluster(nats_server.url, redis_server.url, unique_prefix, policy="fixed")

@@ -28,7 +28,7 @@ from services.scheduler.core.load import (
     cluster_token_steps_per_s,
 )
 from services.scheduler.core.placement import Placement, PlacementConfig, PlacementScratch, Placer
-from services.scheduler.core.request import CacheMode, Request
+from services.scheduler.core.request import CacheMode, Request, RequestStatus
 from services.scheduler.core.threshold import (
     DEFAULT_FALLBACK_TOKENS_PER_STEP,
     DEFAULT_THRESHOLDS,
@@ -146,6 +146,27 @@ class DiLaServePolicy:
         placed += self._place_queued(now, view, scratch, decisions)
         decisions.assignments.extend(self._assignments(now, view, scratch, placed))
         return decisions
+
+    def replan(self, now: float, view: ClusterView, request_ids: list[str]) -> None:
+        """Overlap mode: Algorithm 1 for the next step of requests kept running on their instance
+        without a pass (``SchedulingLoop.continue_steps``), with fresh estimates and load control;
+        their placement does not change (the next pass, at a block start, may move them)."""
+        for rid in self._removals.take(view.removal_log):
+            self.table.remove(rid)
+        requests = [
+            r for rid in request_ids
+            if (r := view.requests.get(rid)) is not None and r.status == RequestStatus.RUNNING
+            and r.request_id in self.table.rid_to_row and r.instance_id in view.instances
+        ]
+        if not requests or not self.config.threshold_control:
+            return
+        self._refresh(requests)
+        if self.config.load_control:
+            self._control_load(view)
+        rows = [view.instances[r.instance_id].row for r in requests]
+        index, _, _ = self._thresholds(now, PlacementScratch(view.table), requests, rows)
+        for request, i in zip(requests, index, strict=True):
+            view.set_threshold(request.request_id, self.grid.values[i])
 
     # bookkeeping
 

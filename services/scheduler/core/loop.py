@@ -7,10 +7,23 @@ them into future step events (simulator).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from services.scheduler.core.base import Policy
-from services.scheduler.core.decisions import Decisions, StepResult
-from services.scheduler.core.request import Prediction, Request
+from services.scheduler.core.decisions import Decisions, StepAssignment, StepResult
+from services.scheduler.core.request import Prediction, Request, RequestStatus
 from services.scheduler.core.view import ClusterView
+
+
+@dataclass(slots=True)
+class Continuation:
+    """What ``continue_steps`` did: the assignments that keep instances stepping (dispatch them now),
+    the requests they carry (``replan`` them once dispatched), and whether a scheduling pass is
+    still owed (requests left READY, or a queue)."""
+
+    decisions: Decisions = field(default_factory=Decisions)
+    continued_ids: list[str] = field(default_factory=list)
+    needs_pass: bool = False
 
 
 class SchedulingLoop:
@@ -44,6 +57,48 @@ class SchedulingLoop:
             self.view.apply_step_result(now, result)
             self.policy.on_step_result(now, result)
         return self._schedule(now)
+
+    def continue_steps(self, now: float, results: list[StepResult], min_remaining_tokens: int) -> Continuation:
+        """Overlap mode (the service's, off the simulator's path): record step results, and keep each
+        of their instances stepping with the same requests at their current thresholds, before any
+        scheduling pass, where nothing a pass decides at this point could differ but the thresholds.
+
+        An instance continues when it is alive, every request on it came back READY from this step
+        and has at least ``min_remaining_tokens`` tokens to go, none starts a block next (with a cache
+        that is a recompute step, where migration is decided; with none, the pass still gets every
+        block start), and the queue is empty or the instance is full. Its requests' thresholds for the step after are then computed by
+        ``replan`` while this one runs (one step late: what overlap trades for the pass's latency).
+        Instances that do not continue, and everything else, wait for the next ``tick``.
+        """
+        for result in results:
+            self.view.apply_step_result(now, result)
+            self.policy.on_step_result(now, result)
+        out = Continuation()
+        queued = self.view.num_queued > 0
+        for result in results:
+            inst = self.view.instances.get(result.instance_id)
+            if inst is None or not inst.alive or not inst.resident_ids or (queued and inst.batch < inst.max_batch):
+                continue
+            residents = [self.view.requests[rid] for rid in inst.resident_ids]
+            if all(
+                r.status == RequestStatus.READY and r.threshold is not None and r.num_block_steps > 0
+                and r.num_remaining_tokens >= min_remaining_tokens
+                for r in residents
+            ):
+                for r in residents:
+                    out.decisions.assignments.append(
+                        StepAssignment(r.request_id, inst.instance_id, r.threshold, recompute=r.next_step_is_recompute))
+                    out.continued_ids.append(r.request_id)
+        self.view.apply(now, out.decisions)
+        out.needs_pass = bool(self.view.ready_ids) or self.view.num_queued > 0
+        return out
+
+    def replan(self, now: float, request_ids: list[str]) -> None:
+        """Next-step thresholds for requests ``continue_steps`` kept running (policies that choose
+        thresholds implement ``replan``; for the others a threshold never changes between passes)."""
+        replan = getattr(self.policy, "replan", None)
+        if replan is not None:
+            replan(now, self.view, request_ids)
 
     def on_prediction(self, now: float, request_id: str, prediction: Prediction) -> None:
         """A prediction that arrived on its own; used when the request is next re-planned."""

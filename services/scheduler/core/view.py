@@ -258,6 +258,12 @@ class ClusterView:
         if request is not None:
             request.record_prediction(prediction)
 
+    def set_threshold(self, request_id: str, threshold: float) -> None:
+        """The threshold a running request's next step will use (a policy's ``replan``, in overlap)."""
+        request = self.requests.get(request_id)
+        if request is not None:
+            request.threshold = threshold
+
     def cancel_request(self, request_id: str, now: float, detail: str = "cancelled") -> None:
         request = self.requests[request_id]
         request.move(RequestStatus.CANCELLED)
