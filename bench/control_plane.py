@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.common import emit_json
-from shared.runtime import free_port
+from shared.runtime import event_loop_name, free_port, run
 
 PROFILE = "profiles/llada-8b-h100.json"
 
@@ -46,6 +46,8 @@ async def run_workers(args) -> None:
 
     from services.worker.service import WorkerService
     from services.worker.zero_engine import ZeroComputeEngine
+    from shared.messages import codec
+    from shared.messages.steps import StepCommand
     from shared.settings import WorkerSettings
     from shared.state import RedisStateStore
 
@@ -55,18 +57,24 @@ async def run_workers(args) -> None:
         def __init__(self, *a, **kw) -> None:
             super().__init__(*a, **kw)
             self.last_sent: float | None = None
+            self.last_sent_wall = 0.0
             self.gaps: list[float] = []
+            self.to_issue: list[float] = []  # results published -> scheduler issues the next command
+            self.flight: list[float] = []  # command issued -> it reaches this worker's callback
             self.request_steps = 0
             self.commands = 0
             self.measuring = False
 
         async def _on_command(self, msg) -> None:
-            arrived = time.perf_counter()
+            arrived, arrived_wall = time.perf_counter(), time.time()
             if self.measuring and self.last_sent is not None:
                 self.gaps.append(arrived - self.last_sent)
+                issued_at = codec.decode(StepCommand, msg.data).issued_at  # the scheduler's wall clock
+                self.to_issue.append(issued_at - self.last_sent_wall)
+                self.flight.append(arrived_wall - issued_at)
             self.last_sent = None
             await super()._on_command(msg)
-            self.last_sent = time.perf_counter()
+            self.last_sent, self.last_sent_wall = time.perf_counter(), time.time()
             if self.measuring:
                 self.commands += 1
 
@@ -102,6 +110,8 @@ async def run_workers(args) -> None:
             for w in workers:
                 w.measuring = True
                 w.gaps.clear()
+                w.to_issue.clear()
+                w.flight.clear()
             phase["start"] = time.perf_counter()
             await msg.respond(b"ok")
         elif command == "stop":
@@ -110,6 +120,8 @@ async def run_workers(args) -> None:
                 w.measuring = False
             report = {
                 "gaps_s": [g for w in workers for g in w.gaps],
+                "to_issue_s": [g for w in workers for g in w.to_issue],
+                "flight_s": [g for w in workers for g in w.flight],
                 "request_steps": sum(w.request_steps for w in workers),
                 "commands": sum(w.commands for w in workers),
                 "elapsed_s": elapsed,
@@ -202,15 +214,40 @@ async def run_scheduler_and_load(args, nats_url: str, redis_url: str, prefix: st
             pipe.get(f"{prefix}:bench:{(i + 1) % 8}")
             await pipe.execute()
         redis_rtt.append(time.perf_counter() - t0)
-    await redis.aclose()
     stop = asyncio.Event()
     loader = asyncio.create_task(keep_full(stop))
     await asyncio.sleep(args.warmup)
     await control_all(client, f"{prefix}.bench.control", b"start", args.worker_procs)
+    # the same two round trips again, paced, while the load runs: what a hop costs in these
+    # conditions (processes woken from idle between steps, CPUs shared), next to the bare figure
+    loaded_nats_rtt, loaded_redis_rtt = [], []
+    probe_stop = asyncio.Event()
+
+    async def probe():
+        i = 0
+        while not probe_stop.is_set():
+            await asyncio.sleep(0.1)  # sparse: the probes must not warm the processes up themselves
+            t0 = time.perf_counter()
+            await client.request(f"{prefix}.bench.echo", b"x" * 64, timeout=5)
+            loaded_nats_rtt.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            async with redis.pipeline(transaction=False) as pipe:
+                pipe.set(f"{prefix}:bench:{i % 8}", b"x" * 64)
+                pipe.get(f"{prefix}:bench:{(i + 1) % 8}")
+                await pipe.execute()
+            loaded_redis_rtt.append(time.perf_counter() - t0)
+            i += 1
+
+    prober = asyncio.create_task(probe())
     await asyncio.sleep(args.duration)
+    probe_stop.set()
+    await prober
+    await redis.aclose()
     replies = await control_all(client, f"{prefix}.bench.control", b"stop", args.worker_procs)
     parts = [json.loads(r) for r in replies]
     measured = {"gaps_s": [g for p in parts for g in p["gaps_s"]],
+                "to_issue_s": [g for p in parts for g in p["to_issue_s"]],
+                "flight_s": [g for p in parts for g in p["flight_s"]],
                 "request_steps": sum(p["request_steps"] for p in parts),
                 "commands": sum(p["commands"] for p in parts),
                 "elapsed_s": max(p["elapsed_s"] for p in parts)}
@@ -234,15 +271,27 @@ async def run_scheduler_and_load(args, nats_url: str, redis_url: str, prefix: st
         "duration_s": round(elapsed, 2),
         "overhead_ms": {"p50": float(np.percentile(gaps, 50)), "p90": float(np.percentile(gaps, 90)),
                         "p99": float(np.percentile(gaps, 99)), "mean": float(gaps.mean()), "samples": int(gaps.size)},
+        # where the overhead goes (wall clocks of the two processes, same machine): results published
+        # -> the scheduler issues the next command (results hop, decode, scheduling pass, dispatch);
+        # command issued -> it reaches the worker (outbox, command hop, the worker's loop)
+        "breakdown_ms": {"results_to_command_issued_p50": _p50_ms(measured["to_issue_s"]),
+                         "command_flight_p50": _p50_ms(measured["flight_s"])},
+        "event_loop": event_loop_name(),
         "floor_ms": {"nats_rtt": float(np.percentile(nats_rtt, 50) * 1000), "redis_rtt": float(np.percentile(redis_rtt, 50) * 1000),
                      "nats_rtt_p99": float(np.percentile(nats_rtt, 99) * 1000),
                      "redis_rtt_p99": float(np.percentile(redis_rtt, 99) * 1000)},
+        "floor_under_load_ms": {"nats_rtt": _p50_ms(loaded_nats_rtt), "redis_rtt": _p50_ms(loaded_redis_rtt),
+                                "samples": len(loaded_nats_rtt)},
         "steps_per_s": measured["request_steps"] / elapsed,
         "commands_per_s": measured["commands"] / elapsed,
         "mean_batch": measured["request_steps"] / max(measured["commands"], 1),
         "requests_finished": in_flight["done"],
         "scheduler_counters": dict(scheduler.counters),
     }
+
+
+def _p50_ms(values: list[float]) -> float:
+    return float(np.percentile(values, 50) * 1000) if values else float("nan")
 
 
 async def control_all(client, subject: str, command: bytes, num_procs: int, timeout_s: float = 30.0) -> list[bytes]:
@@ -294,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--first-instance", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.workers_only:
-        asyncio.run(run_workers(args))
+        run(run_workers(args))
         return 0
 
     from services.stack import Stack, start_nats, start_redis
@@ -320,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
             for proc in workers:
                 if "workers ready" not in (proc.stdout.readline() or ""):
                     raise RuntimeError("a worker process did not start")
-            report = asyncio.run(run_scheduler_and_load(args, nats_url, redis_url, prefix))
+            report = run(run_scheduler_and_load(args, nats_url, redis_url, prefix))
             for proc in workers:
                 proc.wait(30)
         finally:
@@ -330,6 +379,8 @@ def main(argv: list[str] | None = None) -> int:
             stack.stop()
     floor = report["floor_ms"]
     report["overhead_over_floor"] = report["overhead_ms"]["p50"] / (3 * floor["nats_rtt"] + floor["redis_rtt"])
+    loaded = report["floor_under_load_ms"]
+    report["overhead_over_floor_under_load"] = report["overhead_ms"]["p50"] / (3 * loaded["nats_rtt"] + loaded["redis_rtt"])
     emit_json(report, args.json)
     return 0
 

@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[2]
 def test_control_plane_bench_writes_its_summary(tmp_path):
     out = tmp_path / "cp.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.control_plane", "--instances", "2", "--requests", "8", "--gen-length", "32",
+        [sys.executable, "-m", "bench.control_plane", "--instances", "2", "--requests", "8", "--gen-length", "96",
          "--warmup", "0.5", "--duration", "1", "--json", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=180,
     )
@@ -32,5 +32,10 @@ def test_control_plane_bench_writes_its_summary(tmp_path):
     assert {"nats_rtt", "redis_rtt"} <= set(report["floor_ms"])
     assert report["overhead_ms"]["samples"] > 0
     assert report["steps_per_s"] > 0
+    assert report["event_loop"] in ("uvloop", "asyncio")
+    assert {"results_to_command_issued_p50", "command_flight_p50"} <= set(report["breakdown_ms"])
+    assert {"nats_rtt", "redis_rtt"} <= set(report["floor_under_load_ms"])
+    # 96 tokens at one a step, blocks of 32: most steps have 32 tokens to go and no block start
+    assert report["scheduler_counters"]["continued_steps"] > 0
     for value in (*report["overhead_ms"].values(), *report["floor_ms"].values()):
         assert value >= 0
