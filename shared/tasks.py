@@ -14,7 +14,7 @@ Two families, both checkable without a reference model:
     so every position's most likely letter is the favourite's, and committing all of them at once
     spells the non-word. A threshold below the smallest per-position marginal commits them together
     and fails; a higher one commits one letter, which decides the word. The cliff sits at that
-    marginal (0.6, 0.67, 0.7, 0.75 here), so a mix of categories gives a smooth accuracy curve.
+    marginal (0.52 to 0.6 here), so a mix of categories gives a smooth accuracy curve.
 
 Prompts are few-shot: 0 to 8 worked examples (one per line, either family) before the query.
 A problem is *held out* by a deterministic hash of its query, so training never sees a held-out
@@ -82,11 +82,11 @@ CATEGORIES: dict[str, Category] = {
         _independent("a", [("b", "d", 0.8), ("o", "i", 0.8), ("g", "t", 0.8)]),
         _independent("b", [("k", "m", 0.75), ("a", "u", 0.85), ("n", "p", 0.8)]),
         _independent("c", [("s", "z", 0.8), ("e", "y", 0.75), ("l", "r", 0.85)]),
-        _coupled("d", {"pat": 0.4, "rot": 0.3, "ram": 0.3}),  # "rat": 0.6
-        _coupled("e", {"gin": 1 / 3, "fan": 1 / 3, "fix": 1 / 3}),  # "fin": 0.67
-        _coupled("f", {"bone": 0.25, "tine": 0.25, "tore": 0.25, "tons": 0.25}),  # "tone": 0.75
-        _coupled("g", {"jug": 1 / 3, "hog": 1 / 3, "hum": 1 / 3}),  # "hug": 0.67
-        _coupled("h", {"cave": 0.3, "wove": 0.3, "wake": 0.2, "wavy": 0.2}),  # "wave": 0.7
+        _coupled("d", {"pat": 0.45, "rot": 0.3, "ram": 0.25}),  # "rat": 0.55
+        _coupled("e", {"gin": 0.42, "fan": 0.3, "fix": 0.28}),  # "fin": 0.58
+        _coupled("f", {"bone": 0.45, "tine": 0.2, "tore": 0.2, "tons": 0.15}),  # "tone": 0.55
+        _coupled("g", {"jug": 0.48, "hog": 0.27, "hum": 0.25}),  # "hug": 0.52
+        _coupled("h", {"cave": 0.4, "wove": 0.2, "wake": 0.2, "wavy": 0.2}),  # "wave": 0.6
     )
 }
 
