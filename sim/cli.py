@@ -42,6 +42,9 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", default="profiles/llada-8b-h100.json")
     parser.add_argument("--trace", default=None, help="BurstGPT CSV (arrival 'burstgpt')")
     parser.add_argument("--time-scale", type=float, default=None, help="BurstGPT timestamps / this")
+    parser.add_argument("--quality-budget", default=None, metavar="PP",
+                        help="DiLaServe's candidates: the preset's thresholds within PP accuracy points of the "
+                             "highest's on this model (default: the preset's, 1.0); 'none': all of them")
     parser.add_argument("--prediction", default="auto",
                         help="auto (the trained step predictor if present, else fallback), predictor, fallback")
 
@@ -69,6 +72,8 @@ def _setup(args):
                 raise CliError("--time-scale: must be positive")
             changes["time_scale"] = args.time_scale
         preset = dataclasses.replace(preset, workload=dataclasses.replace(preset.workload, **changes))
+    if args.quality_budget is not None:
+        preset = dataclasses.replace(preset, quality_budget_pp=_budget(args.quality_budget))
     if args.prediction not in PREDICTION_SOURCES:
         raise CliError(f"--prediction: unknown source {args.prediction!r}; known: {', '.join(PREDICTION_SOURCES)}")
     if not Path(args.profile).exists():
@@ -76,6 +81,18 @@ def _setup(args):
     if not Path(args.model).is_dir():
         raise CliError(f"--model: not a directory: {args.model}")
     return experiments.setup(preset, args.model, args.profile, prediction=args.prediction)
+
+
+def _budget(text: str) -> float | None:
+    if text.strip().lower() == "none":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise CliError(f"--quality-budget: expected accuracy points (e.g. 1.0) or 'none', got {text!r}") from None
+    if value < 0:
+        raise CliError(f"--quality-budget: must be >= 0 points, got {value}")
+    return value
 
 
 def _check_policies(labels: list[str]) -> None:

@@ -200,10 +200,22 @@ class ReplayTrace:
     mean_recompute_steps: dict[str, float] = field(default_factory=dict)
     mean_context_tokens: float = 0.0
     num_requests: int = 0
+    # per recorded problem (calibration order): its family, and at each threshold its steps
+    # [block, masked before, committed, confidence min, q25, median, mean, q75, then the top probability
+    # of every masked position before the step] and whether it was right
+    problem_families: list[str] = field(default_factory=list)
+    trajectories: dict[str, list[list[list[float]]]] = field(default_factory=dict)  # threshold -> problem -> steps
+    correct: dict[str, list[int]] = field(default_factory=dict)  # threshold -> problem -> 0/1
 
     def tokens_per_step(self) -> dict[float, float]:
         """threshold -> generation tokens per step as the scheduler's fallback counts them."""
         return {float(t): self.gen_len / max(s, 1e-9) for t, s in self.mean_steps.items()}
+
+    def overall_accuracy(self) -> dict[float, float]:
+        """threshold -> accuracy over both families (the calibration draws them half and half)."""
+        families = list(self.accuracy.values())
+        keys = set.intersection(*(set(f) for f in families)) if families else set()
+        return {float(k): sum(f[k] for f in families) / len(families) for k in keys}
 
     def isolated_steps(self, threshold: float = 0.9) -> tuple[float, float]:
         """(recompute, cache) steps of a request alone at ``threshold``."""
@@ -254,7 +266,7 @@ def calibrate(
     """
     key = model_key(model_dir)
     shots = "mix" if num_shots is None else str(num_shots)
-    path = Path(trace_dir) / f"trace-v2-{key}-{num_problems}-{seed}-{shots}.json" if trace_dir else None
+    path = Path(trace_dir) / f"trace-v4-{key}-{num_problems}-{seed}-{shots}.json" if trace_dir else None
     if path is not None and path.exists():
         return ReplayTrace.from_json(json.loads(path.read_text()))
     trace = _record(model_dir, key, num_problems, thresholds, seed, num_shots)
@@ -283,7 +295,9 @@ def _record(
     counts: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
     samples: dict[str, list[list[float]]] = defaultdict(list)
     contexts = []
+    trace.problem_families = [p.family.value for p in problems]
     for tau in thresholds:
+        steps_of: list[list[list[float]]] = [[] for _ in problems]
         states = [engine.new_request(f"c{i}", engine.encode(p.prompt), gen, block) for i, p in enumerate(problems)]
         contexts = [len(s.prompt_ids) + gen for s in states]
         recompute = [0] * len(states)
@@ -295,12 +309,17 @@ def _record(
                 key = f"{problems[i].family.value}|{blk}|{masked}|{_tkey(tau)}"
                 counts[key][len(result.committed_positions)] += 1
                 c = result.confidence
-                samples[key].append([len(result.committed_positions)] + [round(v, 4) for v in (c.min, c.q25, c.median, c.mean, c.q75)])
+                row = [len(result.committed_positions)] + [round(v, 4) for v in (c.min, c.q25, c.median, c.mean, c.q75)]
+                samples[key].append(row)
+                steps_of[i].append([blk, masked, *row, *(round(v, 4) for v in result.masked_confidences)])
                 recompute[i] += int(result.kind == 0)
             active = [i for i in active if not states[i].finished]
+        trace.trajectories[_tkey(tau)] = steps_of
+        trace.correct[_tkey(tau)] = []
         for i, (p, s) in enumerate(zip(problems, states, strict=True)):
             trace.blocks_run.setdefault(p.family.value, []).append(_blocks_run(engine, s))
             ok = check_answer(p, engine.tokenizer.decode(s.canvas))
+            trace.correct[_tkey(tau)].append(int(ok))
             trace.accuracy.setdefault(p.family.value, {}).setdefault(_tkey(tau), 0.0)
             trace.accuracy[p.family.value][_tkey(tau)] += ok / (num_problems / 2)
             del i
@@ -325,6 +344,18 @@ def _blocks_run(engine, state) -> int:
     return first_eos // state.block_length + 1
 
 
+def _commit_at(confidences: np.ndarray, tau: float) -> np.ndarray:
+    """[committed, min, q25, median, mean, q75 of the rest]: the engine's commit rule at ``tau`` on
+    one forward's confidences (those above it, and at least the most confident one)."""
+    chosen = confidences > tau
+    chosen[int(np.argmax(confidences))] = True
+    rest = np.sort(confidences[~chosen])
+    if not len(rest):
+        return np.array([chosen.sum(), 1.0, 1.0, 1.0, 1.0, 1.0])  # as ConfidenceStats.of([])
+    q = np.quantile(rest, [0.25, 0.5, 0.75])
+    return np.array([chosen.sum(), rest[0], q[0], q[1], float(rest.mean()), q[2]])
+
+
 @dataclass
 class _ReplayState:
     family: str
@@ -336,6 +367,7 @@ class _ReplayState:
     weighted_accuracy: float = 0.0  # sum over committed tokens of the accuracy at their threshold
     num_committed: int = 0
     finished: bool = False
+    problem: int = -1  # the recorded problem it follows (-1: none; pooled draws only)
 
 
 class ReplayEngine:
@@ -352,6 +384,10 @@ class ReplayEngine:
         self._cache_mode: dict[str, CacheMode] = {}  # request id -> its cache mode
         self._thresholds = sorted(trace.thresholds)
         self._samples = self._index(trace)
+        self._by_family: dict[str, list[int]] = {}  # family -> recorded problems with trajectories
+        if trace.trajectories:
+            for i, family in enumerate(trace.problem_families):
+                self._by_family.setdefault(family, []).append(i)
         self._done: dict[int, list[EngineOutcome]] = {}  # step token -> outcomes
         self._num_steps = 0
 
@@ -375,12 +411,24 @@ class ReplayEngine:
         return len(self._tokenizer.encode(spec.problem.prompt))
 
     def admit(self, spec: RequestSpec, cache_mode: CacheMode) -> None:
+        """A request follows one recorded problem of its family (drawn at random): its steps at each
+        threshold, so the confidences a step reports foretell that request's next steps as they do
+        on the model; states the problem's recording lacks (after a threshold switch) fall back to
+        draws pooled over the family."""
         family = spec.problem.family.value
-        runs = self.trace.blocks_run.get(family) or [1]
         num_blocks = -(-spec.gen_len // spec.block_len)
-        blocks = min(int(runs[self.rng.integers(len(runs))]), num_blocks)
         first = min(spec.block_len, spec.gen_len)
-        self._states[spec.request_id] = _ReplayState(family, spec.gen_len, spec.block_len, blocks, 0, first)
+        mine = self._by_family.get(family)
+        if mine and spec.gen_len == self.trace.gen_len and spec.block_len == self.trace.block_len:
+            problem = int(mine[self.rng.integers(len(mine))])
+            top = self.trace.trajectories[_tkey(self._thresholds[-1])][problem]
+            blocks = min(max(int(row[0]) for row in top) + 1, num_blocks) if top else num_blocks
+        else:
+            problem = -1
+            runs = self.trace.blocks_run.get(family) or [1]
+            blocks = min(int(runs[self.rng.integers(len(runs))]), num_blocks)
+        self._states[spec.request_id] = _ReplayState(family, spec.gen_len, spec.block_len, blocks, 0, first,
+                                                     problem=problem)
         self._cache_mode[spec.request_id] = cache_mode
 
     def start(self, instance_id: str, batch: list[tuple[str, float]]) -> tuple[int, list[bool]]:
@@ -404,11 +452,13 @@ class ReplayEngine:
             self._cache_mode[rid] == CacheMode.NONE or at_block_start or self._cache_on.get(rid) != instance_id
         )
         self._cache_on[rid] = instance_id
-        row = self._sample(state, tau)
+        row = self._follow(state, tau)
+        if row is None:
+            row = self._sample(state, tau)
         k = min(int(row[0]), state.masked)
         state.masked -= k
         state.num_committed += k
-        state.weighted_accuracy += k * self._accuracy(state.family, tau)
+        state.weighted_accuracy += k * self._accuracy(state, tau)
         block_done = state.masked == 0
         if block_done:
             state.block += 1
@@ -418,6 +468,23 @@ class ReplayEngine:
         left = 0 if state.finished else state.masked + state.gen_len - (state.block + 1) * state.block_len
         confidences = tuple(float(v) for v in row[1:6]) if len(row) >= 6 else ()
         return EngineOutcome(rid, k, block_done, state.finished, recompute, tau, max(left, 0), confidences)
+
+    def _follow(self, state: _ReplayState, tau: float) -> np.ndarray | None:
+        """The followed problem's step from this (block, masked) state at ``tau``: its recording at
+        ``tau`` when that reached the state, else the recording at the nearest other threshold that
+        did, with the commit rule applied at ``tau`` to the confidences recorded there (the same
+        forward; only which tokens clear the threshold differs). None when no recording of the
+        problem reached the state (a draw pooled over the family then stands in)."""
+        if state.problem < 0:
+            return None
+        for t in sorted(self._thresholds, key=lambda t: (abs(t - tau), -t)):
+            for row in self.trace.trajectories[_tkey(t)][state.problem]:
+                if int(row[0]) != state.block or int(row[1]) != state.masked:
+                    continue
+                if t == self._nearest(tau) or len(row) <= 8:
+                    return np.asarray(row[2:8], dtype=float)
+                return _commit_at(np.asarray(row[8:], dtype=float), tau)
+        return None
 
     def _sample(self, state: _ReplayState, tau: float) -> np.ndarray:
         """A recorded step: [committed, confidences...] (or just [committed] from counts)."""
@@ -455,8 +522,12 @@ class ReplayEngine:
             return ts[i - 1]
         return ts[i]
 
-    def _accuracy(self, family: str, tau: float) -> float:
-        return self.trace.accuracy.get(family, {}).get(_tkey(self._nearest(tau)), 0.0)
+    def _accuracy(self, state: _ReplayState, tau: float) -> float:
+        """Whether the followed problem was right at ``tau`` (else the family's accuracy there)."""
+        key = _tkey(self._nearest(tau))
+        if state.problem >= 0:
+            return float(self.trace.correct[key][state.problem])
+        return self.trace.accuracy.get(state.family, {}).get(key, 0.0)
 
     def correct(self, request_id: str) -> bool:
         state = self._states[request_id]

@@ -6,6 +6,7 @@ the same numbers; every policy sees the same arrivals, problems and engine seed 
 from __future__ import annotations
 
 import dataclasses
+import json
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ from services.reconfigurator.core.stage1 import Stage1Options
 from services.reconfigurator.core.stage2 import Stage2Options
 from services.scheduler.core import CacheMode, ClusterView, SchedulingLoop, make_config, make_policy
 from services.scheduler.core.policies import POLICIES
+from services.scheduler.core.threshold import within_quality_budget
 from shared.profiles import LatencyProfile
 from shared.tasks import Split, TaskGenerator
 from sim.cluster import SimCluster, initial_placement
@@ -54,8 +56,29 @@ class Setup:
         thresholds = make_config("dilaserve").thresholds
         return PREDICTION_SOURCES.get(self.prediction)(model_dir=self.model_dir, thresholds=thresholds)
 
+    def candidate_thresholds(self) -> tuple[float, ...]:
+        """DiLaServe's candidate thresholds: the preset's, within its quality budget on this model."""
+        budget = self.preset.quality_budget_pp
+        if budget is None:
+            return tuple(self.preset.thresholds)
+        return within_quality_budget(self.preset.thresholds, self.quality_curve()[0], budget)
+
+    def quality_curve(self) -> tuple[dict[float, float], str]:
+        """(threshold -> accuracy, where it comes from): the model's measured curve (quality.json,
+        written with its model card from `bench.engine`: 500 problems) for the preset's cache mode,
+        else the replay trace's calibration (192 problems: a point of accuracy is two answers)."""
+        path = Path(self.model_dir) / "quality.json"
+        if path.exists():
+            data = json.loads(path.read_text())
+            key = "accuracy" if self.preset.cache_mode == CacheMode.NONE else "accuracy_dual_cache"
+            return {float(t): float(a) for t, a in data[key].items()}, f"{path} ({key}, {data['problems']} problems)"
+        return self.trace.overall_accuracy(), "replay trace calibration"
+
     def describe(self) -> dict:
         return {
+            "candidate_thresholds": list(self.candidate_thresholds()),
+            "quality_curve": self.quality_curve()[1],
+            "quality_budget_pp": self.preset.quality_budget_pp,
             "model_key": self.trace.model_key,
             "profile_anchor_context_tokens": self.profile.context_tokens,
             "isolated_latency_s": round(self.base_latency_s, 6),
@@ -126,7 +149,7 @@ def policy_config(setup_: Setup, label: str) -> tuple[str, dict]:
     if "fallback_tokens_per_step" in fields:
         config.setdefault("fallback_tokens_per_step", rates)
     if "thresholds" in fields:
-        config.setdefault("thresholds", setup_.preset.thresholds)
+        config.setdefault("thresholds", setup_.candidate_thresholds())
     if "tokens_per_step" in fields:
         threshold = config.get("threshold", fields["threshold"].default)
         config.setdefault("tokens_per_step", rates[min(rates, key=lambda t: abs(t - threshold))])

@@ -28,6 +28,8 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "fixed-0.9": ("fixed", {"fixed_threshold": 0.9}),
     # a quality floor: candidate thresholds 0.8 and up only (trades SLO attainment for accuracy)
     "dilaserve-floor-0.8": ("dilaserve", {"thresholds": (0.8, 0.9)}),
+    # the paper's whole candidate set, whatever it costs the bundled model in accuracy
+    "dilaserve-all-thresholds": ("dilaserve", {"thresholds": (0.5, 0.6, 0.7, 0.8, 0.9)}),
 }
 
 
@@ -57,7 +59,11 @@ class Preset:
     # timed as this / the bundled model's steps per request (see sim/README.md). None: one to one.
     llada_steps_per_request: float | None = 80.0
     reconfigure_policies: tuple[str, ...] = ("dilaserve",)
-    thresholds: tuple[float, ...] = (0.5, 0.6, 0.7, 0.8, 0.9)  # DiLaServe's candidate set (the paper's)  # labels (prefixes) that get the reconfigurator
+    thresholds: tuple[float, ...] = (0.5, 0.6, 0.7, 0.8, 0.9)  # the paper's candidates, before the budget
+    # DiLaServe's candidates: those of `thresholds` whose accuracy, as the replay trace measured it on
+    # the bundled model, is at most this many points below the highest's (within_quality_budget);
+    # None: all of them. A variant with its own "thresholds" is not filtered.
+    quality_budget_pp: float | None = 1.0
     quick_overrides: dict = field(default_factory=dict)  # applied by quick()
     seed: int = 0
 
@@ -244,6 +250,7 @@ PRESETS.register(
         (Point(1.0),),
         policies=("dilaserve",),
         cache_mode=CacheMode.NONE,
+        quality_budget_pp=None,  # the live scheduler's candidates: DLS_SCHEDULER_THRESHOLDS as they are
         quick_overrides={"workload": {"num_requests": 100}},
     ),
 )

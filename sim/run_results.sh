@@ -5,7 +5,7 @@ D=runs/sim
 /usr/bin/time -f "wall %e s" nice -n 10 .venv/bin/dls compare --preset paper-bench --quick --json $D/paper-bench-quick.json --plot $D/paper-bench-quick.png > $D/paper-bench-quick.txt 2>&1
 nice -n 10 .venv/bin/dls compare --preset paper-trace --quick --json $D/paper-trace-quick.json --plot $D/paper-trace-quick.png > $D/paper-trace-quick.txt 2>&1
 nice -n 10 .venv/bin/dls compare --preset ablation-threshold --quick --json $D/ablation-threshold-quick.json --plot $D/ablation-threshold-quick.png > $D/ablation-threshold-quick.txt 2>&1
-nice -n 10 .venv/bin/dls compare --preset paper-bench --no-fidelity --policies dilaserve,infaas,llumnix,dilaserve-floor-0.8 --json $D/paper-bench.json --plot $D/paper-bench.png > $D/paper-bench.txt 2>&1
+nice -n 10 .venv/bin/dls compare --preset paper-bench --no-fidelity --policies dilaserve,infaas,llumnix,dilaserve-all-thresholds --json $D/paper-bench.json --plot $D/paper-bench.png > $D/paper-bench.txt 2>&1
 for P in ablation-predictor ablation-migration ablation-cache sweep-input; do
   nice -n 10 .venv/bin/dls compare --preset $P --quick --json $D/$P-quick.json > $D/$P-quick.txt 2>&1
 done

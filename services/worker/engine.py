@@ -112,6 +112,9 @@ class StepResult:
     num_masked: int  # masked canvas positions left
     confidence: ConfidenceStats
     threshold: float
+    # every position masked before this step: its top probability, in position order (what the
+    # commit rule compared with the threshold; the simulator's replay derives other thresholds' commits)
+    masked_confidences: tuple[float, ...] = ()
 
 
 @dataclass
@@ -307,7 +310,7 @@ class DLMEngine:
         return StepResult(
             state.request_id, item.kind, item.block, [p for p, _ in committed], [t for _, t in committed],
             state.finished, state.num_steps, state.canvas.count(self.mask_id), ConfidenceStats.of(remaining),
-            item.threshold,
+            item.threshold, tuple(conf.tolist()),
         )
 
     def _finish_if_done(self, state: RequestState, block_start: int, block_end: int) -> None:

@@ -50,6 +50,32 @@ class ThresholdGrid:
         return i
 
 
+def within_quality_budget(
+    thresholds: Sequence[float], accuracy: Mapping[float, float], budget_pp: float
+) -> tuple[float, ...]:
+    """The candidates an accuracy budget allows: from the highest threshold down, those whose
+    measured accuracy (0 to 1) is at most ``budget_pp`` points below the highest's, stopping at the
+    first that is not (a lower threshold never commits fewer tokens per step, so whatever lies below
+    a threshold that loses too much is not wanted either).
+
+    How an operator turns "at most 1 point of accuracy" into DiLaServe's admin set: the paper's
+    candidates 0.5-0.9 cost LLaDA under 1% on GSM8K; another model's curve calls for another set.
+    """
+    if budget_pp < 0:
+        raise ValueError(f"quality budget must be >= 0 points, got {budget_pp}")
+    ordered = sorted(set(float(t) for t in thresholds), reverse=True)
+    missing = [t for t in ordered if t not in accuracy]
+    if missing:
+        raise ValueError(f"no measured accuracy for threshold(s) {missing} (measured: {sorted(accuracy)})")
+    reference = accuracy[ordered[0]]
+    kept = []
+    for t in ordered:
+        if accuracy[t] < reference - budget_pp / 100.0 - 1e-12:
+            break
+        kept.append(t)
+    return tuple(sorted(kept))
+
+
 class PredictionMode(StrEnum):
     ONLINE = "online"  # the latest prediction (step predictor updated as the request runs)
     ONESHOT = "oneshot"  # only the prediction made at arrival, scaled by token progress

@@ -135,3 +135,25 @@ def test_oneshot_ablation_ignores_later_predictions(profile):
     result = step_result("i0", StepOutcome("r", 1, recompute=True, prediction=pessimistic))
     (assignment,) = loop.on_step_result(0.1, result).assignments
     assert assignment.threshold > 0.5  # still planned from the arrival prediction
+
+
+def test_quality_budget_keeps_thresholds_from_the_top_down():
+    from services.scheduler.core.threshold import within_quality_budget
+
+    curve = {0.5: 0.71, 0.6: 0.85, 0.7: 0.9925, 0.8: 0.9975, 0.9: 0.9975}
+    assert within_quality_budget((0.5, 0.6, 0.7, 0.8, 0.9), curve, 1.0) == (0.7, 0.8, 0.9)
+    assert within_quality_budget((0.5, 0.6, 0.7, 0.8, 0.9), curve, 0.0) == (0.8, 0.9)
+    assert within_quality_budget((0.5, 0.6, 0.7, 0.8, 0.9), curve, 30.0) == (0.5, 0.6, 0.7, 0.8, 0.9)
+    # a noisy dip stops the walk: nothing below a threshold that loses too much
+    assert within_quality_budget((0.5, 0.6, 0.7, 0.9), {0.5: 1.0, 0.6: 0.9, 0.7: 1.0, 0.9: 1.0}, 1.0) == (0.7, 0.9)
+
+
+def test_quality_budget_errors_name_what_is_missing():
+    import pytest
+
+    from services.scheduler.core.threshold import within_quality_budget
+
+    with pytest.raises(ValueError, match=r"0\.6"):
+        within_quality_budget((0.6, 0.9), {0.9: 1.0}, 1.0)
+    with pytest.raises(ValueError, match="budget"):
+        within_quality_budget((0.9,), {0.9: 1.0}, -1.0)
