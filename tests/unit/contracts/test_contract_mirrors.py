@@ -62,7 +62,10 @@ def test_same_fields_as_the_core(struct, path, core):
 
 
 def test_step_result_has_the_engine_fields_plus_block_done_and_the_state_version():
-    assert fields(RequestStepResult) == core_fields(ENGINE, "StepResult") | {"block_done", "state_version"}
+    # masked_confidences (every masked position's probability) stays in the process: the simulator's
+    # replay calibration reads it; on the wire the confidence statistics stand for it
+    engine_fields = core_fields(ENGINE, "StepResult") - {"masked_confidences"}
+    assert fields(RequestStepResult) == engine_fields | {"block_done", "state_version"}
 
 
 def test_instance_slot_is_the_planner_instance_without_its_node():
