@@ -61,6 +61,9 @@ class DiLaServeConfig(BaseModel):
     migrate_at_recompute_only: bool = True
     migration_cooldown_steps: int = 4
     reject_infeasible: bool = False  # reject at placement if even the lowest threshold is too slow
+    # Algorithm 1 plans against this share of the remaining budget (the rest absorbs what the estimate
+    # at the current batch cannot see: batches that grow while the request runs)
+    budget_share: float = Field(0.6, gt=0.0, le=1.0)
     tie_break: Literal["first", "random"] = "first"
 
 
@@ -283,7 +286,7 @@ class DiLaServePolicy:
         no_cache = np.array([r.cache_mode == CacheMode.NONE for r in requests])
         alpha_kind = np.where(no_cache, StepKind.FULL, StepKind.RECOMPUTE)
         beta_kind = np.where(no_cache, StepKind.FULL, StepKind.CACHE)
-        budget = np.array([r.deadline for r in requests]) - now
+        budget = (np.array([r.deadline for r in requests]) - now) * self.config.budget_share
         index, estimate, _ = ThresholdController.choose_many(
             self.table.recompute[table_rows],
             self.table.cache[table_rows],

@@ -21,8 +21,10 @@ PREDICTION = {0.5: (8, 10), 0.6: (8, 15), 0.7: (8, 20), 0.8: (8, 30), 0.9: (8, 4
 # on an idle toy TP-1 instance: 8 * 0.1 s + cache * 0.01 s -> 0.9, 0.95, 1.0, 1.1, 1.2, 1.4 s
 
 
-def first_threshold(profile, slo_s: float, policy: str = "dilaserve", **request_fields) -> float:
-    loop = SchedulingLoop(make_policy(policy), make_view(profile, [1]))
+def first_threshold(profile, slo_s: float, policy: str = "dilaserve", budget_share: float = 1.0,
+                    **request_fields) -> float:
+    """Algorithm 1 as the paper states it (the whole budget) unless ``budget_share`` says otherwise."""
+    loop = SchedulingLoop(make_policy(policy, {"budget_share": budget_share}), make_view(profile, [1]))
     request = make_request("r", slo_s=slo_s, **request_fields)
     request.record_prediction(uniform_prediction(PREDICTION))
     decisions = loop.on_arrival(0.0, request)
@@ -34,6 +36,12 @@ def test_highest_threshold_that_fits_is_chosen(profile):
     assert first_threshold(profile, slo_s=1.15) == 0.8
     assert first_threshold(profile, slo_s=1.25) == 0.9
     assert first_threshold(profile, slo_s=100.0) == 0.95
+
+
+def test_budget_share_plans_against_part_of_the_budget(profile):
+    assert first_threshold(profile, slo_s=1.25 / 0.6, budget_share=0.6) == 0.9  # plans against 1.25 s
+    assert first_threshold(profile, slo_s=1.15 / 0.6, budget_share=0.6) == 0.8
+    assert first_threshold(profile, slo_s=1.25 / 0.6, budget_share=1.0) == 0.95
 
 
 def test_lowest_allowed_threshold_when_none_fits(profile):
@@ -127,7 +135,7 @@ def test_grid_helpers():
 
 
 def test_oneshot_ablation_ignores_later_predictions(profile):
-    loop = SchedulingLoop(make_policy("dilaserve-oneshot"), make_view(profile, [1]))
+    loop = SchedulingLoop(make_policy("dilaserve-oneshot", {"budget_share": 1.0}), make_view(profile, [1]))
     request = make_request("r", slo_s=1.15)
     request.record_prediction(uniform_prediction(PREDICTION))
     loop.on_arrival(0.0, request)
