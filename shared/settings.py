@@ -100,6 +100,10 @@ class SchedulerSettings(ServiceSettings):
     policy_config: str | None = _own("scheduler", "policy_config", None, "JSON file with the policy's config")
     thresholds: list[float] = _own("scheduler", "thresholds", [0.5, 0.6, 0.7, 0.8, 0.9],
                                    "candidate confidence thresholds (JSON list)")
+    quality_budget_pp: float = _own("scheduler", "quality_budget_pp", 1.0,
+                                    "keep the candidate thresholds whose accuracy on the served model's measured "
+                                    "curve (<model_dir>/quality.json) is within this many points of the highest's; "
+                                    "negative: all of them")
     profile: str = _own("scheduler", "profile", "profiles/llada-8b-h100.json",
                         "step-latency profile for instances whose heartbeat names none (or an unreadable one)")
     model_dir: str = _own("scheduler", "model_dir", "models/dls-tiny", "served model (its config gives the mask id)")

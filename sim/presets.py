@@ -250,7 +250,6 @@ PRESETS.register(
         (Point(1.0),),
         policies=("dilaserve",),
         cache_mode=CacheMode.NONE,
-        quality_budget_pp=None,  # the live scheduler's candidates: DLS_SCHEDULER_THRESHOLDS as they are
         quick_overrides={"workload": {"num_requests": 100}},
     ),
 )

@@ -51,6 +51,7 @@ from services.scheduler.core import (
     make_policy,
 )
 from services.scheduler.core.decisions import RejectReason
+from services.scheduler.core.threshold import within_quality_budget
 from shared.jetstream import IntakeConsumer, IntakeDelivery, ensure_intake_stream
 from shared.messages import codec
 from shared.messages.control import Arrival, WorkerHeartbeat, WorkerStatus, WorkloadStats
@@ -136,8 +137,34 @@ def load_policy(settings: SchedulerSettings):
             raise ValueError(f"DLS_SCHEDULER_POLICY_CONFIG: cannot read {path}: {exc}") from None
     config_cls = type(make_config(settings.policy))
     if "thresholds" in config_cls.model_fields and "thresholds" not in config:
-        config["thresholds"] = tuple(settings.thresholds)
+        config["thresholds"] = candidate_thresholds(settings)
     return make_policy(settings.policy, config)
+
+
+def candidate_thresholds(settings: SchedulerSettings) -> tuple[float, ...]:
+    """``DLS_SCHEDULER_THRESHOLDS`` within ``DLS_SCHEDULER_QUALITY_BUDGET_PP`` accuracy points of the
+    highest's, on the served model's measured curve (``quality.json`` beside its weights, written
+    with its model card by ``bench.model_card``); all of them when the budget is negative or the
+    model has no curve."""
+    thresholds = tuple(settings.thresholds)
+    if settings.quality_budget_pp < 0:
+        return thresholds
+    path = Path(settings.model_dir) / "quality.json"
+    try:
+        curve = json.loads(path.read_text())["accuracy"]
+    except FileNotFoundError:
+        logger.info("no %s: every threshold of %s is a candidate", path, list(thresholds))
+        return thresholds
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"DLS_SCHEDULER_QUALITY_BUDGET_PP: cannot read the accuracy curve {path}: {exc}") from None
+    try:
+        kept = within_quality_budget(thresholds, {float(t): float(a) for t, a in curve.items()},
+                                     settings.quality_budget_pp)
+    except ValueError as exc:
+        raise ValueError(f"DLS_SCHEDULER_QUALITY_BUDGET_PP: {exc}") from None
+    logger.info("candidate thresholds %s (within %.2f accuracy points on %s)", list(kept),
+                settings.quality_budget_pp, path)
+    return kept
 
 
 class SchedulerService:

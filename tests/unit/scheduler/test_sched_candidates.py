@@ -1,0 +1,36 @@
+"""The scheduler service's candidate thresholds: DLS_SCHEDULER_THRESHOLDS within a quality budget."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from services.scheduler.service import candidate_thresholds, load_policy
+from shared.settings import SchedulerSettings
+
+CURVE = {"0.5": 0.712, "0.6": 0.85, "0.7": 0.994, "0.8": 0.998, "0.9": 0.998}
+
+
+def settings(tmp_path, curve=CURVE, **overrides) -> SchedulerSettings:
+    if curve is not None:
+        (tmp_path / "quality.json").write_text(json.dumps({"accuracy": curve, "problems": 500}))
+    return SchedulerSettings(model_dir=str(tmp_path), thresholds=[0.5, 0.6, 0.7, 0.8, 0.9], **overrides)
+
+
+def test_the_budget_keeps_the_thresholds_near_the_top(tmp_path):
+    assert candidate_thresholds(settings(tmp_path)) == (0.7, 0.8, 0.9)
+    assert load_policy(settings(tmp_path)).grid.values == (0.7, 0.8, 0.9)
+    assert candidate_thresholds(settings(tmp_path, quality_budget_pp=20.0)) == (0.6, 0.7, 0.8, 0.9)
+
+
+def test_a_negative_budget_or_no_curve_keeps_them_all(tmp_path):
+    assert candidate_thresholds(settings(tmp_path, quality_budget_pp=-1)) == (0.5, 0.6, 0.7, 0.8, 0.9)
+    bare = tmp_path / "no-curve"
+    bare.mkdir()
+    assert candidate_thresholds(settings(bare, curve=None)) == (0.5, 0.6, 0.7, 0.8, 0.9)
+
+
+def test_a_curve_without_a_candidate_is_refused_by_name(tmp_path):
+    with pytest.raises(ValueError, match="DLS_SCHEDULER_QUALITY_BUDGET_PP.*0.5"):
+        candidate_thresholds(settings(tmp_path, curve={"0.9": 1.0}))
