@@ -28,7 +28,7 @@ def narrative(pbq, full, pt_q, abl) -> str:
             f"+40), at {100 * d['accuracy']:.1f}% accuracy against {100 * i['accuracy']:.1f}% "
             f"({_pp(d, i, 'accuracy')} points; the acceptance allows -1.5). The baselines run every step at 0.9 with "
             "FCFS admission, so their queues grow without bound past 1x; DiLaServe's thresholds drop to 0.7-0.8 "
-            "(mean threshold in the tables), which the stage-4 model pays for with well under a point. Replay vs "
+            "(mean threshold in the tables), which the stage-4 model pays for with about a point of accuracy. Replay vs "
             f"model in the loop: {fid.get('slo_attainment_gap_pp', float('nan')):.2f} pp SLO attainment, "
             f"{fid.get('mean_latency_gap_pct', float('nan')):.2f}% mean latency at most over the sweep (targets 3 pp / 5%).")
     if full:
@@ -61,8 +61,9 @@ def narrative(pbq, full, pt_q, abl) -> str:
             "SLO-aware thresholds are far above fixed; load control is not above SLO-aware alone here (the paper: "
             "+42.4 pp). Algorithm 2 compares the active requests' worst-case work with a whole SLO window of "
             "capacity, so it binds only once the backlog exceeds a window; with thresholds 0.7-0.9 and online "
-            "predictions Algorithm 1 alone already drops to 0.7 as queues form. Measured beside it (docs/notes.md): "
-            "with all five thresholds load control gains 3.7 points at 3x and nothing at 2x.")
+            "predictions Algorithm 1 alone (planning against 60% of each budget) already drops to 0.7 as queues form. "
+            "Measured beside it before that budget share (docs/notes.md): with all five thresholds load control "
+            "gained 3.7 points at 3x and nothing at 2x.")
     out.append(
         "- **Other ablations, sweeps and the capacity search**: the tables below (predictor: online vs one-shot "
         "predictions; migration: none / any step / recompute steps only under Gamma cv 3 arrivals with the dual "
