@@ -200,20 +200,23 @@ async def run_scheduler_and_load(args, nats_url: str, redis_url: str, prefix: st
 
     await scheduler_ready(scheduler, args.instances)
     # the physical floor, between the same two processes, before the load starts (same run)
-    nats_rtt = []
-    for _ in range(300):
+    redis = Redis.from_url(redis_url)
+
+    async def nats_round_trip() -> float:
         t0 = time.perf_counter()
         await client.request(f"{prefix}.bench.echo", b"x" * 64, timeout=5)
-        nats_rtt.append(time.perf_counter() - t0)
-    redis = Redis.from_url(redis_url)
-    redis_rtt = []
-    for i in range(300):
+        return time.perf_counter() - t0
+
+    async def redis_round_trip(i: int) -> float:
         t0 = time.perf_counter()
         async with redis.pipeline(transaction=False) as pipe:
             pipe.set(f"{prefix}:bench:{i % 8}", b"x" * 64)
             pipe.get(f"{prefix}:bench:{(i + 1) % 8}")
             await pipe.execute()
-        redis_rtt.append(time.perf_counter() - t0)
+        return time.perf_counter() - t0
+
+    nats_rtt = [await nats_round_trip() for _ in range(300)]
+    redis_rtt = [await redis_round_trip(i) for i in range(300)]
     stop = asyncio.Event()
     loader = asyncio.create_task(keep_full(stop))
     await asyncio.sleep(args.warmup)
@@ -227,15 +230,8 @@ async def run_scheduler_and_load(args, nats_url: str, redis_url: str, prefix: st
         i = 0
         while not probe_stop.is_set():
             await asyncio.sleep(0.1)  # sparse: the probes must not warm the processes up themselves
-            t0 = time.perf_counter()
-            await client.request(f"{prefix}.bench.echo", b"x" * 64, timeout=5)
-            loaded_nats_rtt.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            async with redis.pipeline(transaction=False) as pipe:
-                pipe.set(f"{prefix}:bench:{i % 8}", b"x" * 64)
-                pipe.get(f"{prefix}:bench:{(i + 1) % 8}")
-                await pipe.execute()
-            loaded_redis_rtt.append(time.perf_counter() - t0)
+            loaded_nats_rtt.append(await nats_round_trip())
+            loaded_redis_rtt.append(await redis_round_trip(i))
             i += 1
 
     prober = asyncio.create_task(probe())
