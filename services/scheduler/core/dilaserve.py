@@ -64,6 +64,10 @@ class DiLaServeConfig(BaseModel):
     # Algorithm 1 plans against this share of the remaining budget (the rest absorbs what the estimate
     # at the current batch cannot see: batches that grow while the request runs)
     budget_share: float = Field(0.6, gt=0.0, le=1.0)
+    # with load control: Algorithm 1 costs a request's steps at the batch its instance will run
+    # under the current load (active requests spread over the live instances) when that is larger
+    # than the batch of the moment (a queue means batches are about to grow)
+    load_aware_batch: bool = True
     tie_break: Literal["first", "random"] = "first"
 
 
@@ -148,6 +152,8 @@ class DiLaServePolicy:
         placed = [p for p in (self._place_resident(view, scratch, r) for r in ready) if p is not None]
         placed += self._place_queued(now, view, scratch, decisions)
         decisions.assignments.extend(self._assignments(now, view, scratch, placed))
+        for rejection in decisions.rejections:  # gone with this pass (the removal log says so later too)
+            self.table.remove(rejection.request_id)
         return decisions
 
     def replan(self, now: float, view: ClusterView, request_ids: list[str]) -> None:
@@ -287,16 +293,34 @@ class DiLaServePolicy:
         alpha_kind = np.where(no_cache, StepKind.FULL, StepKind.RECOMPUTE)
         beta_kind = np.where(no_cache, StepKind.FULL, StepKind.CACHE)
         budget = (np.array([r.deadline for r in requests]) - now) * self.config.budget_share
+        alpha, beta = scratch.lat_now[alpha_kind, rows], scratch.lat_now[beta_kind, rows]
+        if self.config.load_control and self.config.load_aware_batch:
+            # Algorithm 2's view of the aggregate: cost the steps at the batch the load will bring
+            rows_ = np.asarray(rows, dtype=np.int64)
+            batch = np.maximum(scratch.batch[rows_], self._expected_batch(scratch.table, rows_))
+            alpha = np.maximum(alpha, scratch.table.lat_by_batch[alpha_kind, rows_, batch])
+            beta = np.maximum(beta, scratch.table.lat_by_batch[beta_kind, rows_, batch])
         index, estimate, _ = ThresholdController.choose_many(
             self.table.recompute[table_rows],
             self.table.cache[table_rows],
-            scratch.lat_now[alpha_kind, rows],
-            scratch.lat_now[beta_kind, rows],
+            alpha,
+            beta,
             budget,
             self.table.lo[table_rows],
             hi[table_rows],
         )
         return index.tolist(), estimate.tolist(), hi[table_rows].tolist()
+
+    def _expected_batch(self, table, rows: np.ndarray) -> np.ndarray:
+        """The batch each instance runs once the active requests (running and queued) are spread
+        over the live instances in proportion to their max batches (capped at the max batch)."""
+        n = table.num_rows
+        slots = np.where(table.alive[:n], table.max_batch[:n], 0)
+        total = int(slots.sum())
+        if total <= 0:
+            return table.batch[rows]
+        share = np.ceil(len(self.table) * table.max_batch[rows] / total).astype(np.int64)
+        return np.minimum(share, table.max_batch[rows])
 
     def _infeasible(
         self, now: float, view: ClusterView, scratch: PlacementScratch, request: Request, placement: Placement

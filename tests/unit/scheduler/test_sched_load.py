@@ -173,3 +173,28 @@ def test_fixed_slo_window_sets_the_capacity(profile):
     loop = SchedulingLoop(make_policy("dilaserve", {"slo_window": 10.0}), make_view(profile, [1]))
     loop.on_arrival(0.0, make_request("r", slo_s=2.0))
     assert abs(loop.policy.capacity - 10.0 * 8 * 512 / 0.17) < 1e-6
+
+
+def _lopsided_thresholds(slo_s: float, load_aware: bool) -> float:
+    """Two TP-1 instances (max batch 8): seven requests on i0, then i1 joins and one more lands there;
+    the threshold Algorithm 1 gives that last request."""
+    from services.scheduler.core import SchedulingLoop, make_policy
+    from tests.unit.scheduler.sched_builders import make_request, make_view, toy_profile
+
+    loop = SchedulingLoop(make_policy("dilaserve", {"load_aware_batch": load_aware}, rng=0),
+                          make_view(toy_profile(), [1]))
+    loop.on_arrivals(0.0, [make_request(f"r{k}", slo_s=600.0) for k in range(7)])
+    loop.view.add_instance("i1", 1, toy_profile(), node_id="n0")  # joins after them, empty
+    decisions = loop.on_arrival(0.0, make_request("last", slo_s=slo_s))
+    (assignment,) = [a for a in decisions.assignments if a.request_id == "last"]
+    assert assignment.instance_id == "i1"
+    return assignment.threshold
+
+
+def test_load_aware_batch_costs_steps_at_the_batch_the_load_brings():
+    """With load control, a request alone on an instance while the other holds seven is costed at the
+    batch an even spread gives (4), not at 1: never a higher threshold, and a lower one where the
+    difference decides."""
+    pairs = [(_lopsided_thresholds(slo / 20, True), _lopsided_thresholds(slo / 20, False)) for slo in range(20, 80)]
+    assert all(aware <= unaware for aware, unaware in pairs)
+    assert any(aware < unaware for aware, unaware in pairs)
