@@ -52,31 +52,44 @@ async def run_workers(args) -> None:
     from shared.state import RedisStateStore
 
     class TimedWorker(WorkerService):
-        """A worker that records the gap between its results and its next command."""
+        """A worker that records the gap between its results and its next step: the arrival of the
+        next command, or, pipelined, the start of the step it held (no round trip)."""
 
         def __init__(self, *a, **kw) -> None:
             super().__init__(*a, **kw)
             self.last_sent: float | None = None
             self.last_sent_wall = 0.0
-            self.gaps: list[float] = []
+            self.gaps: list[float] = []  # every step
+            self.round_trip_gaps: list[float] = []  # steps that waited for a command
             self.to_issue: list[float] = []  # results published -> scheduler issues the next command
             self.flight: list[float] = []  # command issued -> it reaches this worker's callback
             self.request_steps = 0
-            self.commands = 0
+            self.commands = 0  # steps run (commanded or pipelined)
+            self.pipelined = 0  # steps run from a held command
             self.measuring = False
 
         async def _on_command(self, msg) -> None:
             arrived, arrived_wall = time.perf_counter(), time.time()
-            if self.measuring and self.last_sent is not None:
-                self.gaps.append(arrived - self.last_sent)
-                issued_at = codec.decode(StepCommand, msg.data).issued_at  # the scheduler's wall clock
-                self.to_issue.append(issued_at - self.last_sent_wall)
-                self.flight.append(arrived_wall - issued_at)
-            self.last_sent = None
+            command = codec.decode(StepCommand, msg.data)
+            if not command.after_step_id and command.items:
+                if self.measuring and self.last_sent is not None:
+                    self.gaps.append(arrived - self.last_sent)
+                    self.round_trip_gaps.append(arrived - self.last_sent)
+                    self.to_issue.append(command.issued_at - self.last_sent_wall)  # the scheduler's wall clock
+                    self.flight.append(arrived_wall - command.issued_at)
+                self.last_sent = None
             await super()._on_command(msg)
-            self.last_sent, self.last_sent_wall = time.perf_counter(), time.time()
+
+        def _step_starting(self, command, continued: bool) -> None:
+            if continued and self.measuring and self.last_sent is not None:
+                self.gaps.append(time.perf_counter() - self.last_sent)
+                self.pipelined += 1
+            self.last_sent = None
             if self.measuring:
                 self.commands += 1
+
+        def _step_published(self, results) -> None:
+            self.last_sent, self.last_sent_wall = time.perf_counter(), time.time()
 
         async def _run(self, command):
             if args.step_ms > 0:  # the accelerator's time: the step waits, the CPU is free
@@ -110,7 +123,9 @@ async def run_workers(args) -> None:
             for w in workers:
                 w.measuring = True
                 w.gaps.clear()
+                w.round_trip_gaps.clear()
                 w.to_issue.clear()
+                w.pipelined = w.commands = w.request_steps = 0
                 w.flight.clear()
             phase["start"] = time.perf_counter()
             await msg.respond(b"ok")
@@ -120,6 +135,8 @@ async def run_workers(args) -> None:
                 w.measuring = False
             report = {
                 "gaps_s": [g for w in workers for g in w.gaps],
+                "round_trip_gaps_s": [g for w in workers for g in w.round_trip_gaps],
+                "pipelined": sum(w.pipelined for w in workers),
                 "to_issue_s": [g for w in workers for g in w.to_issue],
                 "flight_s": [g for w in workers for g in w.flight],
                 "request_steps": sum(w.request_steps for w in workers),
@@ -242,6 +259,8 @@ async def run_scheduler_and_load(args, nats_url: str, redis_url: str, prefix: st
     replies = await control_all(client, f"{prefix}.bench.control", b"stop", args.worker_procs)
     parts = [json.loads(r) for r in replies]
     measured = {"gaps_s": [g for p in parts for g in p["gaps_s"]],
+                "round_trip_gaps_s": [g for p in parts for g in p["round_trip_gaps_s"]],
+                "pipelined": sum(p["pipelined"] for p in parts),
                 "to_issue_s": [g for p in parts for g in p["to_issue_s"]],
                 "flight_s": [g for p in parts for g in p["flight_s"]],
                 "request_steps": sum(p["request_steps"] for p in parts),
@@ -256,7 +275,6 @@ async def run_scheduler_and_load(args, nats_url: str, redis_url: str, prefix: st
     await client.close()
     await store.close()
 
-    gaps = np.array(measured["gaps_s"]) * 1000.0
     elapsed = measured["elapsed_s"]
     return {
         "instances": args.instances,
@@ -265,8 +283,10 @@ async def run_scheduler_and_load(args, nats_url: str, redis_url: str, prefix: st
         "step_ms": args.step_ms,
         "gen_length": args.gen_length,
         "duration_s": round(elapsed, 2),
-        "overhead_ms": {"p50": float(np.percentile(gaps, 50)), "p90": float(np.percentile(gaps, 90)),
-                        "p99": float(np.percentile(gaps, 99)), "mean": float(gaps.mean()), "samples": int(gaps.size)},
+        "overhead_ms": _percentiles_ms(measured["gaps_s"]),
+        # the steps that waited for a command from the scheduler (not pipelined): the round trip itself
+        "overhead_round_trip_ms": _percentiles_ms(measured["round_trip_gaps_s"]),
+        "pipelined_share": measured["pipelined"] / max(measured["commands"], 1),
         # where the overhead goes (wall clocks of the two processes, same machine): results published
         # -> the scheduler issues the next command (results hop, decode, scheduling pass, dispatch);
         # command issued -> it reaches the worker (outbox, command hop, the worker's loop)
@@ -284,6 +304,14 @@ async def run_scheduler_and_load(args, nats_url: str, redis_url: str, prefix: st
         "requests_finished": in_flight["done"],
         "scheduler_counters": dict(scheduler.counters),
     }
+
+
+def _percentiles_ms(values_s: list[float]) -> dict:
+    ms = np.array(values_s) * 1000.0
+    if not ms.size:
+        return {"p50": float("nan"), "p90": float("nan"), "p99": float("nan"), "mean": float("nan"), "samples": 0}
+    return {"p50": float(np.percentile(ms, 50)), "p90": float(np.percentile(ms, 90)),
+            "p99": float(np.percentile(ms, 99)), "mean": float(ms.mean()), "samples": int(ms.size)}
 
 
 def _p50_ms(values: list[float]) -> float:

@@ -120,6 +120,9 @@ class SchedulerSettings(ServiceSettings):
                                    "overlap: an instance whose requests all have at least this many tokens left and "
                                    "no block start next gets its next step before the scheduling pass, which then "
                                    "sets their thresholds for the step after (one step late); 0: off", ge=0)
+    pipeline_steps: bool = _own("scheduler", "pipeline_steps", True,
+                                "pipelining (with overlap): while a step runs, send the command for the step after "
+                                "it, which the worker runs at once if its batch is unchanged (no round trip)")
     stats_interval_s: float = _own("scheduler", "stats_interval_s", 10.0, "period of workload stats", gt=0)
     completed_ttl_s: float = _own("scheduler", "completed_ttl_s", DEFAULT_COMPLETED_TTL_S,
                                   "finished requests stay in Redis this long", gt=0)

@@ -125,6 +125,10 @@ class _Worker:
     busy_since: float = 0.0  # when that command was sent (a step past step_timeout_s is lost)
     in_flight_ids: list[str] = field(default_factory=list)  # its requests
     drop_ids: list[str] = field(default_factory=list)  # to drop with the next command
+    # pipelining: the conditional command sent for the step after the one in flight (0: none) and its
+    # (request id, threshold) pairs
+    next_step_id: int = 0
+    next_items: list[tuple[str, float]] = field(default_factory=list)
 
 
 def load_policy(settings: SchedulerSettings):
@@ -203,7 +207,7 @@ class SchedulerService:
         self._window_arrivals: list[Arrival] = []
         self._window = {"finished": 0, "slo_met": 0, "rejected": 0, "threshold_sum": 0.0, "steps": 0}
         self.counters = {"malformed": 0, "lost_steps": 0, "failed_steps": 0, "migrations": 0,
-                         "continued_steps": 0}
+                         "continued_steps": 0, "pipelined_steps": 0}
         self.metrics = SchedulerMetrics()
         self._metrics_server = None
         self._tracer = tracer("dls.scheduler")
@@ -533,6 +537,7 @@ class SchedulerService:
             worker.busy_step_id = self._step_seq
             worker.busy_since = command.issued_at
             worker.in_flight_ids = [it.request_id for it in items]
+            worker.next_step_id, worker.next_items = 0, []
             self.metrics.batch_size.observe(len(items))
             if tracing_active():
                 span = self._batch_span("scheduler.step_command", worker.in_flight_ids, SpanKind.PRODUCER, {
@@ -541,6 +546,45 @@ class SchedulerService:
                 headers = header_context(span) or None
                 span.end()
         self._publish(self.subjects.step(instance_id), command, headers)
+        if items:
+            self._send_next(instance_id, worker)
+
+    @property
+    def _pipelining(self) -> bool:
+        return self.settings.pipeline_steps and self.settings.overlap_min_tokens > 0
+
+    def _send_next(self, instance_id: str, worker: _Worker) -> None:
+        """Pipelining: the command for the step after the one in flight, at the requests' current
+        thresholds, sent now so that the worker goes on the moment its step ends if the batch is
+        unchanged (it checks: no request finished or completed its block, each has at least
+        ``overlap_min_tokens`` to go). Sent only where a pass could not place anything else there:
+        every request on the instance is in the step, and the queue is empty or the instance full.
+        Re-sent when ``replan`` changed a threshold (the worker keeps the latest)."""
+        if not self._pipelining or worker.busy_step_id is None or worker.heartbeat.status != WorkerStatus.READY:
+            return
+        inst = self.view.instances.get(instance_id)
+        if inst is None or not inst.alive or len(inst.resident_ids) != len(worker.in_flight_ids):
+            return
+        if self.view.num_queued > 0 and inst.batch < inst.max_batch:
+            return
+        pairs, items = [], []
+        for rid in worker.in_flight_ids:
+            request, tracked = self.view.requests.get(rid), self.tracked.get(rid)
+            if (request is None or tracked is None or tracked.resyncing or request.instance_id != instance_id
+                    or request.status != RequestStatus.RUNNING or request.threshold is None
+                    or tracked.gen_len - tracked.num_committed < self.settings.overlap_min_tokens):
+                return
+            pairs.append((rid, float(request.threshold)))
+            # the step in flight writes one version on top of the one it started from
+            items.append(StepItem(request_id=rid, threshold=float(request.threshold),
+                                  state_version=tracked.version + 1))
+        if worker.next_step_id and pairs == worker.next_items:
+            return  # the held command is already this one
+        self._step_seq += 1
+        command = StepCommand(instance_id=instance_id, step_id=self._step_seq, items=items, issued_at=self.clock(),
+                              after_step_id=worker.busy_step_id, min_masked=self.settings.overlap_min_tokens)
+        worker.next_step_id, worker.next_items = self._step_seq, pairs
+        self._publish(self.subjects.step(instance_id), command)
 
     async def _on_results(self, msg) -> None:
         try:
@@ -562,6 +606,18 @@ class SchedulerService:
         batch, self._pending_results = self._pending_results, []
         if self._stopping.is_set():
             return
+        # one results message per instance per pass: a pipelined worker's next results name the step
+        # that this pass makes the one in flight, so they wait for the next turn
+        seen: set[str] = set()
+        now_batch, later = [], []
+        for results in batch:
+            (later if results.instance_id in seen else now_batch).append(results)
+            seen.add(results.instance_id)
+        if later:
+            self._pending_results = later + self._pending_results
+            self._results_scheduled = True
+            asyncio.get_running_loop().call_soon(self._drain_results)
+        batch = now_batch
         try:
             collected = self._collect_results(batch)
             if not collected:
@@ -605,17 +661,32 @@ class SchedulerService:
     def _waits_for_predictions(self, stepped: list[str]) -> bool:
         return self.settings.predict_wait_s > 0 and bool(stepped) and self.clock() >= self._predictor_down_until
 
-    def _release(self, collected: list[tuple], predictions: dict[str, Prediction]):
+    def _release(self, collected: list[tuple], predictions: dict[str, Prediction], running: dict | None = None):
         """Free the instances whose results these are: (the core's step results, failures as
-        (instance id, failure), instance ids); instances that failed meanwhile are left out."""
+        (instance id, failure), instance ids); instances that failed meanwhile are left out.
+
+        An instance whose worker went straight on to the conditional command it held (pipelining)
+        stays busy with that step instead; ``running`` gets its (request id, threshold) pairs."""
         step_results: list[StepResult] = []
         failures = []  # (instance id, failure)
         instance_ids: list[str] = []
         for worker, results, outcomes, worker_failures in collected:
             if self.workers.get(results.instance_id) is not worker or worker.busy_step_id != results.step_id:
                 continue  # the instance failed while the predictions were on their way
-            worker.busy_step_id = None
-            worker.in_flight_ids = []
+            if results.continued_step_id:
+                if results.continued_step_id == worker.next_step_id and running is not None:
+                    worker.busy_step_id, worker.busy_since = worker.next_step_id, self.clock()
+                    running[results.instance_id] = worker.next_items
+                    self.counters["pipelined_steps"] += 1
+                else:  # not the command this scheduler sent last (or pipelining is off here): wait for it
+                    logger.warning("instance %s went on to step %d, not the one expected (%d)",
+                                   results.instance_id, results.continued_step_id, worker.next_step_id)
+                    worker.busy_step_id, worker.busy_since = results.continued_step_id, self.clock()
+                worker.next_step_id, worker.next_items = 0, []
+            else:
+                worker.busy_step_id = None
+                worker.in_flight_ids = []
+                worker.next_step_id, worker.next_items = 0, []
             if predictions:
                 outcomes = [dataclasses.replace(o, prediction=predictions.get(o.request_id)) for o in outcomes]
             step_results.append(StepResult(results.instance_id, tuple(outcomes), results.duration_s))
@@ -661,11 +732,12 @@ class SchedulerService:
         (``SchedulingLoop.continue_steps``); once those commands are written, the pass for the rest
         (after the fresh predictions, as without overlap) and the continued requests' next
         thresholds (``SchedulingLoop.replan``)."""
-        step_results, failures, instance_ids = self._release(collected, {})
+        running: dict[str, list[tuple[str, float]]] = {}  # instances whose workers went on by themselves
+        step_results, failures, instance_ids = self._release(collected, {}, running)
         if not step_results:
             return
         now = self.clock()
-        cont = self.loop.continue_steps(now, step_results, self.settings.overlap_min_tokens)
+        cont = self.loop.continue_steps(now, step_results, self.settings.overlap_min_tokens, running)
         if cont.continued_ids:
             self.counters["continued_steps"] += len({self.view.requests[rid].instance_id for rid in cont.continued_ids
                                                      if rid in self.view.requests})
@@ -698,6 +770,11 @@ class SchedulerService:
         if cont.needs_pass or self.view.ready_ids:  # failed steps' requests are READY again too
             self._handle(self.loop.tick(now))
         self.loop.replan(now, cont.continued_ids)
+        if self._pipelining:  # the step after the continued ones, at the thresholds replan chose
+            for iid in {a.instance_id for a in cont.decisions.assignments}:
+                worker = self.workers.get(iid)
+                if worker is not None:
+                    self._send_next(iid, worker)
         for instance_id in instance_ids:
             self._check_drained(instance_id)
 

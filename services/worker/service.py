@@ -9,7 +9,9 @@ A thin loop around the engine (``services/worker/engine.py``, or ``tp.py`` for d
   ``StepRecord`` per request are written back with one pipelined versioned write
   (``StateStore.save_many``); the outcome goes to ``results`` as ``StepResults``. A stale load or
   write becomes a ``StepFailure`` (the state in Redis is unchanged). Commands with no items only
-  drop local copies (requests that moved elsewhere).
+  drop local copies (requests that moved elsewhere). A conditional command (``after_step_id``, sent
+  while that step runs) is held and run the moment the step ends if the batch is unchanged: no
+  round trip between the two steps (pipelining; the results' ``continued_step_id`` says so).
 - Events: a ``RequestProgress`` per step for streaming requests (``text_delta``: the text of the
   block this step completed) and ``RequestFinished`` with the answer and its ``Usage`` when a request
   finishes; the worker has the tokenizer and the canvas at hand, so it is the one that publishes them.
@@ -104,6 +106,11 @@ class WorkerService:
         self.num_steps = 0
         self.num_malformed = 0
         self._lock = asyncio.Lock()  # one step at a time
+        self._open_steps: set[int] = set()  # steps commanded (or continued into) whose results are not out yet
+        self._next: dict[int, tuple[StepCommand, dict | None]] = {}  # open step id -> the command for the step after it
+        self.num_continued = 0  # steps run from a held conditional command
+        self.num_late_next = 0  # conditional commands that came after their step had ended
+        self._step_tasks: set[asyncio.Task] = set()  # steps running or waiting for the lock
         self._stopped = asyncio.Event()
         self._drain_expired = False  # drain_timeout_s passed: leave between two steps
         self._subscription = None
@@ -209,21 +216,91 @@ class WorkerService:
             self.metrics.malformed.labels(subject="step").inc()
             logger.error("dropping a malformed step command: %s", exc)
             return
+        if command.after_step_id:
+            self._hold_next(command, msg.headers)
+            return
+        # the step runs in its own task: the subscription hands over its next message (a conditional
+        # command for the step after this one) while this one runs; the lock keeps commands in order
+        if command.items:
+            self._open_steps.add(command.step_id)
+        task = asyncio.create_task(self._execute(command, msg.headers), name=f"step-{command.step_id}")
+        self._step_tasks.add(task)
+        task.add_done_callback(self._step_tasks.discard)
+
+    async def _execute(self, command: StepCommand, headers: dict | None) -> None:
+        try:
+            await self._execute_steps(command, headers)
+        except Exception:  # noqa: BLE001 (a bug must not stop the worker: the scheduler times the step out)
+            logger.exception("step %d failed", command.step_id)
+            self._open_steps.clear()  # nothing held goes on after a step that failed this way
+            self._next.clear()
+
+    async def _execute_steps(self, command: StepCommand, headers: dict | None) -> None:
         async with self._lock:
             for rid in command.drop_request_ids:
                 self._forget(rid)
-            if command.items:
+            step: tuple[StepCommand, dict | None] | None = (command, headers)
+            continued = False
+            while step is not None and step[0].items:
+                command, headers = step
+                self._step_starting(command, continued)
                 # the batched step: a child of the scheduler's step_command span (NATS headers)
                 span = self._tracer.start_as_current_span(
-                    "worker.step", context=extract_context(msg.headers), kind=SpanKind.CONSUMER,
+                    "worker.step", context=extract_context(headers), kind=SpanKind.CONSUMER,
                     attributes={"dls.instance_id": self.instance_id, "dls.step_id": command.step_id,
-                                "dls.batch_size": len(command.items)}) if tracing_active() else nullcontext()
+                                "dls.batch_size": len(command.items), "dls.continued": continued},
+                ) if tracing_active() else nullcontext()
                 with span:
                     results = await self._run(command)
+                    step = self._take_next(command, results)
+                    if step is not None:
+                        results = msgspec.structs.replace(results, continued_step_id=step[0].step_id)
+                        self.num_continued += 1
                     await self.nc.publish(self.subjects.results,
                                           codec.encode(results, self.settings.max_payload_bytes))
+                    self._step_published(results)
+                continued = True
             self.metrics.resident.set(len(self.local))
         self._check_drained()
+
+    # --- pipelining: the scheduler's command for the step after the running one -------------------
+
+    def _hold_next(self, command: StepCommand, headers: dict | None) -> None:
+        """Keep a conditional command until the step it follows ends (a late one is dropped: its
+        step's results have gone out saying the worker did not go on)."""
+        if command.after_step_id in self._open_steps:
+            self._next[command.after_step_id] = (command, headers)
+        else:
+            self.num_late_next += 1
+
+    def _take_next(self, command: StepCommand, results: StepResults) -> tuple[StepCommand, dict | None] | None:
+        """The held command for the step after ``command``'s, if nothing about the batch changed."""
+        held = self._next.pop(command.step_id, None)
+        self._open_steps.discard(command.step_id)  # a conditional command arriving from here on is late
+        if held is None:
+            return None
+        nxt = held[0]
+        stepped = {r.request_id: r for r in results.results}
+        ok = (
+            self.status == WorkerStatus.READY and not results.failures
+            and len(stepped) == len(command.items) == len(nxt.items)
+            and all(
+                (r := stepped.get(it.request_id)) is not None and not it.load_state
+                and it.state_version == r.state_version and not r.finished and not r.block_done
+                and r.num_masked >= nxt.min_masked
+                for it in nxt.items
+            )
+        )
+        if not ok:
+            return None
+        self._open_steps.add(nxt.step_id)
+        return held
+
+    def _step_starting(self, command: StepCommand, continued: bool) -> None:
+        """Hook: a step is about to run (``continued``: from a held command, with no round trip)."""
+
+    def _step_published(self, results: StepResults) -> None:
+        """Hook: a step's results were published."""
 
     def _forget(self, request_id: str) -> None:
         self.local.pop(request_id, None)

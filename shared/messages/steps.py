@@ -1,5 +1,10 @@
 """Scheduler <-> worker: one batched step command per instance, one results message back.
 
+Pipelining: while a step runs, the scheduler may send the command for the step after it
+(``after_step_id``), which the worker runs the moment the step ends when nothing about the batch
+changed; the scheduler then learns of it from the results (``continued_step_id``), one step behind
+the engine, as an overlap scheduler is.
+
 A command names requests and thresholds only; the request state lives in Redis. A worker that holds
 a request's state at ``state_version`` runs from its local copy (and KV cache); otherwise, or when
 ``load_state`` is set, it loads the state from Redis first. After the step the worker writes the new
@@ -28,6 +33,14 @@ class StepCommand(Message, kw_only=True):
     items: list[StepItem]  # the batch; one forward serves them all
     drop_request_ids: list[str] = []  # requests that left this instance: free their local copy and KV cache
     issued_at: float  # unix time (s) the scheduler published the command
+    # pipelining: nonzero makes this a conditional command for the step right after step
+    # ``after_step_id`` on this instance. The worker keeps it until that step ends, then runs it at once
+    # (no round trip to the scheduler) if that step's requests are exactly this command's, all
+    # stepped, none finished or completed its block, and each has at least ``min_masked`` masked
+    # tokens left; otherwise it discards it. Its results say which happened (``continued_step_id``).
+    # A later conditional command for the same step replaces an earlier one.
+    after_step_id: int = 0  # 0: run on arrival; else the step this conditional command follows
+    min_masked: int = 0  # the condition above (with after_step_id)
 
 
 class StepFailure(Part, kw_only=True):
@@ -65,6 +78,7 @@ class StepResults(Message, kw_only=True):
     started_at: float  # unix time (s) the forward started
     duration_s: float  # forward time, load and save of state included
     num_loaded: int = 0  # requests whose state was loaded from Redis before the step
+    continued_step_id: int = 0  # nonzero: the worker went straight on to this conditional command's step
 
     @property
     def batch_size(self) -> int:

@@ -37,5 +37,8 @@ def test_control_plane_bench_writes_its_summary(tmp_path):
     assert {"nats_rtt", "redis_rtt"} <= set(report["floor_under_load_ms"])
     # 96 tokens at one a step, blocks of 32: most steps have 32 tokens to go and no block start
     assert report["scheduler_counters"]["continued_steps"] > 0
+    # pipelining: some steps ran from a command held by the worker, the rest waited for one
+    assert report["scheduler_counters"]["pipelined_steps"] > 0 and 0 < report["pipelined_share"] < 1
+    assert report["overhead_round_trip_ms"]["samples"] > 0
     for value in (*report["overhead_ms"].values(), *report["floor_ms"].values()):
         assert value >= 0

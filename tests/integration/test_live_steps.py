@@ -71,13 +71,15 @@ def test_fifty_concurrent_requests_get_the_engines_answers(nats_server, redis_se
     run(main())
 
 
-def test_overlapped_steps_keep_the_engines_answers(nats_server, redis_server, unique_prefix):
-    """Overlap (a step continued before the scheduling pass, thresholds replanned one step late),
-    made to apply to the bundled model's short answers: every request still ends with the engine's
-    tokens at the thresholds its steps ran with."""
+@pytest.mark.parametrize("pipeline", [False, True], ids=["overlap", "pipelined"])
+def test_overlapped_steps_keep_the_engines_answers(nats_server, redis_server, unique_prefix, pipeline):
+    """Overlap (a step continued before the scheduling pass, thresholds replanned one step late) and
+    pipelining (the worker runs the step after at once from a command sent in advance), made to apply
+    to the bundled model's short answers: every request still ends with the engine's tokens at the
+    thresholds its steps ran with."""
     async def main():
         cluster = LiveCluster(nats_server.url, redis_server.url, unique_prefix,
-                              scheduler_overrides={"overlap_min_tokens": 2})
+                              scheduler_overrides={"overlap_min_tokens": 2, "pipeline_steps": pipeline})
         await cluster.start(num_workers=1)
         try:
             batch = problems(12, seed=5)
@@ -89,6 +91,9 @@ def test_overlapped_steps_keep_the_engines_answers(nats_server, redis_server, un
                 assert isinstance(final, RequestFinished), final
                 assert final.token_ids == offline_tokens(engine().encode(p.prompt), final.usage.thresholds), p.prompt
             assert cluster.scheduler.counters["continued_steps"] > 0
+            worker = next(iter(cluster.workers.values()))
+            assert (cluster.scheduler.counters["pipelined_steps"] > 0) == pipeline
+            assert worker.num_continued == cluster.scheduler.counters["pipelined_steps"]
         finally:
             await cluster.close()
 

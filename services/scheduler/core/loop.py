@@ -7,6 +7,7 @@ them into future step events (simulator).
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from services.scheduler.core.base import Policy
@@ -58,7 +59,13 @@ class SchedulingLoop:
             self.policy.on_step_result(now, result)
         return self._schedule(now)
 
-    def continue_steps(self, now: float, results: list[StepResult], min_remaining_tokens: int) -> Continuation:
+    def continue_steps(
+        self,
+        now: float,
+        results: list[StepResult],
+        min_remaining_tokens: int,
+        running: Mapping[str, Sequence[tuple[str, float]]] | None = None,
+    ) -> Continuation:
         """Overlap mode (the service's, off the simulator's path): record step results, and keep each
         of their instances stepping with the same requests at their current thresholds, before any
         scheduling pass, where nothing a pass decides at this point could differ but the thresholds.
@@ -69,13 +76,27 @@ class SchedulingLoop:
         block start), and the queue is empty or the instance is full. Its requests' thresholds for the step after are then computed by
         ``replan`` while this one runs (one step late: what overlap trades for the pass's latency).
         Instances that do not continue, and everything else, wait for the next ``tick``.
+
+        ``running`` (instance id -> (request id, threshold) pairs): instances that already went on by
+        themselves (the service's pipelining: a worker ran the step it had been sent in advance), so
+        they continue with those requests at those thresholds whatever the checks above would say.
         """
         for result in results:
             self.view.apply_step_result(now, result)
             self.policy.on_step_result(now, result)
         out = Continuation()
+        running = running or {}
+        for instance_id, pairs in running.items():
+            for rid, threshold in pairs:
+                r = self.view.requests.get(rid)
+                if r is not None and r.status == RequestStatus.READY and r.instance_id == instance_id:
+                    out.decisions.assignments.append(
+                        StepAssignment(rid, instance_id, threshold, recompute=r.next_step_is_recompute))
+                    out.continued_ids.append(rid)
         queued = self.view.num_queued > 0
         for result in results:
+            if result.instance_id in running:
+                continue
             inst = self.view.instances.get(result.instance_id)
             if inst is None or not inst.alive or not inst.resident_ids or (queued and inst.batch < inst.max_batch):
                 continue

@@ -68,3 +68,17 @@ def test_finished_request_frees_its_slot_through_the_pass():
     assert cont.continued_ids == [] and cont.needs_pass  # a queue and room: the pass admits into the slot
     placed = {a.request_id for a in loop.tick(0.2).assignments}
     assert {"r1", "r2", "waiting"} <= placed
+
+
+def test_an_instance_that_went_on_by_itself_is_mirrored_at_its_thresholds():
+    """Pipelining: the worker ran the step it held, so the core continues exactly those requests at
+    those thresholds even where its own checks (a queue, a block start) would have said no."""
+    loop = _running_loop()
+    loop.view.add_request(make_request("waiting"))  # a queue and room: continue_steps alone would not go on
+    results = [step_result("i0", *(outcome(f"r{k}") for k in range(3)))]
+    cont = loop.continue_steps(0.2, results, 32, running={"i0": [("r0", 0.7), ("r1", 0.8)]})
+    assert sorted(cont.continued_ids) == ["r0", "r1"]
+    assert {a.request_id: a.threshold for a in cont.decisions.assignments} == {"r0": 0.7, "r1": 0.8}
+    assert loop.view.requests["r0"].status == RequestStatus.RUNNING
+    assert loop.view.requests["r2"].status == RequestStatus.READY  # not in the held command: the pass places it
+    assert cont.needs_pass

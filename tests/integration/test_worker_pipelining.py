@@ -1,0 +1,141 @@
+"""Pipelining at the worker, over real NATS and Redis: a conditional command (``after_step_id``) runs
+the moment the step it follows ends, only when nothing about the batch changed; otherwise it is
+discarded and the results say so. The engine is the FAKE zero-compute one (one token a step), paced
+by the H100 profile so that a step lasts long enough for the conditional command to arrive during it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import nats
+import pytest
+
+from services.worker.service import WorkerService
+from services.worker.zero_engine import ZeroComputeEngine
+from shared.messages import codec
+from shared.messages.base import CacheMode
+from shared.messages.steps import StepCommand, StepItem, StepResults
+from shared.settings import WorkerSettings
+from shared.state import RedisStateStore, RequestRecord
+from shared.subjects import Subjects
+from tests.integration.live import H100_PROFILE
+
+pytestmark = pytest.mark.integration
+
+INSTANCE = "pipe0"
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+class Bench:
+    """One worker (FAKE engine), a NATS client posing as the scheduler, and the results it sees."""
+
+    def __init__(self, nats_url: str, redis_url: str, prefix: str) -> None:
+        self.nats_url, self.redis_url, self.prefix = nats_url, redis_url, prefix
+        self.subjects = Subjects(prefix)
+        self.results: list[StepResults] = []
+        self.got = asyncio.Event()
+
+    async def start(self) -> None:
+        self.store = RedisStateStore.from_url(self.redis_url, self.prefix)
+        self.worker_nc = await nats.connect(self.nats_url)
+        settings = WorkerSettings(nats_url=self.nats_url, redis_url=self.redis_url, subject_prefix=self.prefix,
+                                  redis_key_prefix=self.prefix, pace_profile=H100_PROFILE)
+        self.worker = WorkerService(settings, ZeroComputeEngine(), self.worker_nc, self.store, instance_id=INSTANCE)
+        await self.worker.start()
+        self.nc = await nats.connect(self.nats_url)
+
+        async def on_results(msg):
+            self.results.append(codec.decode(StepResults, msg.data))
+            self.got.set()
+
+        await self.nc.subscribe(self.subjects.results, cb=on_results)
+        await self.nc.flush()
+
+    async def close(self) -> None:
+        await self.worker.stop()
+        await self.worker_nc.close()
+        await self.nc.close()
+        await self.store.close()
+
+    async def request(self, rid: str, gen_length: int = 64) -> RequestRecord:
+        record = RequestRecord(
+            request_id=rid, prompt_token_ids=[3, 4, 5], canvas=[1] * gen_length, mask_token_id=1,
+            gen_length=gen_length, block_length=32, cache_mode=CacheMode.NONE, arrival_time=time.time(),
+            deadline=time.time() + 60, slo_ms=60_000.0,
+        )
+        return await self.store.create(record)
+
+    async def send(self, step_id: int, items: list[StepItem], after: int = 0, min_masked: int = 0) -> None:
+        command = StepCommand(instance_id=INSTANCE, step_id=step_id, items=items, issued_at=time.time(),
+                              after_step_id=after, min_masked=min_masked)
+        await self.nc.publish(self.subjects.step(INSTANCE), codec.encode(command))
+
+    async def wait_results(self, count: int, timeout_s: float = 10.0) -> list[StepResults]:
+        deadline = time.monotonic() + timeout_s
+        while len(self.results) < count:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{len(self.results)} of {count} results")
+            self.got.clear()
+            try:
+                await asyncio.wait_for(self.got.wait(), 0.2)
+            except TimeoutError:
+                pass
+        return self.results
+
+
+def test_a_held_command_runs_right_after_its_step(nats_server, redis_server, unique_prefix):
+    async def main():
+        bench = Bench(nats_server.url, redis_server.url, unique_prefix)
+        await bench.start()
+        try:
+            a, b = await bench.request("a"), await bench.request("b")
+            first = [StepItem(request_id=r.request_id, threshold=0.9, state_version=r.version) for r in (a, b)]
+            after = [StepItem(request_id=r.request_id, threshold=0.7, state_version=r.version + 1) for r in (a, b)]
+            await bench.send(10, first)
+            await bench.send(11, after, after=10, min_masked=32)
+            results = await bench.wait_results(2)
+            assert results[0].step_id == 10 and results[0].continued_step_id == 11
+            assert results[1].step_id == 11 and results[1].continued_step_id == 0
+            assert [r.threshold for r in results[1].results] == [0.7, 0.7]  # the held command's thresholds
+            assert [r.num_steps for r in results[1].results] == [2, 2]
+            stored = await bench.store.load("a")
+            assert stored.version == 3 and stored.threshold_history == [0.9, 0.7]
+            assert bench.worker.num_continued == 1
+        finally:
+            await bench.close()
+
+    run(main())
+
+
+def test_a_held_command_whose_batch_changed_is_discarded(nats_server, redis_server, unique_prefix):
+    async def main():
+        bench = Bench(nats_server.url, redis_server.url, unique_prefix)
+        await bench.start()
+        try:
+            a, b = await bench.request("a"), await bench.request("b")
+            item_a = StepItem(request_id="a", threshold=0.9, state_version=a.version)
+            # too few tokens left for the condition
+            await bench.send(20, [item_a])
+            await bench.send(21, [StepItem(request_id="a", threshold=0.9, state_version=2)], after=20, min_masked=64)
+            results = await bench.wait_results(1)
+            # a request the step did not have
+            await bench.send(22, [StepItem(request_id="a", threshold=0.9, state_version=2)])
+            await bench.send(23, [StepItem(request_id="a", threshold=0.9, state_version=3),
+                                  StepItem(request_id="b", threshold=0.9, state_version=b.version)],
+                             after=22, min_masked=1)
+            results = await bench.wait_results(2)
+            # late: its step's results are out already
+            await bench.send(24, [StepItem(request_id="a", threshold=0.9, state_version=3)], after=22, min_masked=1)
+            await asyncio.sleep(0.5)
+            assert [(r.step_id, r.continued_step_id) for r in results] == [(20, 0), (22, 0)]
+            assert len(bench.results) == 2 and bench.worker.num_continued == 0
+            assert bench.worker.num_late_next == 1
+            assert (await bench.store.load("a")).num_steps == 2
+        finally:
+            await bench.close()
+
+    run(main())
