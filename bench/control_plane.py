@@ -4,16 +4,20 @@ Processes: nats-server, redis-server, this process (the scheduler service plus a
 that keeps ``--requests`` requests in flight by publishing intake messages directly, as the gateway
 would), and one worker process holding ``--instances`` worker services whose engine is
 ``services.worker.zero_engine.ZeroComputeEngine`` (no model: what is measured is everything around a
-step). Each worker records, for every command, the time since it published its previous results:
-the per-step overhead (scheduler decode, core decision, dispatch, two NATS hops; the worker's own
-Redis write is part of its step, not of the overhead). Measured in the same run, as the physical
+step). Each worker records, for every step, the time since it published its previous results:
+the per-step overhead. A step that waited for a command pays the round trip (scheduler decode,
+core decision, dispatch, two NATS hops; the worker's own Redis write is part of its step, not of
+the overhead); a pipelined step (run from a command the worker held) pays none, and
+``overhead_round_trip_ms`` reports the others apart. Measured in the same run, as the physical
 floor: the bare NATS request/reply round trip between the two processes and one Redis pipeline
-round trip.
+round trip. Request lengths are spread (``--gen-length-spread``) and measuring starts once the
+first wave has turned over, so the requests of an instance are at different points of their blocks.
 
     python -m bench.control_plane --json runs/bench-control-plane.json
 
-JSON: ``overhead_ms`` (p50, p99), ``floor_ms`` (nats_rtt, redis_rtt: p50), ``steps_per_s`` (request
-steps per second, summed over instances), ``commands_per_s``, ``instances``, ``requests``.
+JSON: ``overhead_ms`` (p50, p99), ``overhead_round_trip_ms``, ``pipelined_share``, ``floor_ms``
+(nats_rtt, redis_rtt: p50), ``steps_per_s`` (request steps per second, summed over instances),
+``commands_per_s``, ``instances``, ``requests``.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -198,9 +203,17 @@ async def run_scheduler_and_load(args, nats_url: str, redis_url: str, prefix: st
 
     await client.subscribe(subjects.events_all, cb=on_event)
 
+    spread = random.Random(args.seed)
+
+    def gen_length() -> int:
+        """Lengths spread around --gen-length, so that the requests on an instance finish, and start
+        their blocks, at different steps (the steady state of real traffic, not one lockstep wave)."""
+        low, high = args.gen_length * (1 - args.gen_length_spread), args.gen_length * (1 + args.gen_length_spread)
+        return max(1, round(spread.uniform(low, high)))
+
     async def submit():
         request = CompletionRequest(request_id=f"cp-{uuid.uuid4().hex}", prompt_token_ids=list(range(3, 35)),
-                                    gen_length=args.gen_length, block_length=32, slo_ms=600_000.0,
+                                    gen_length=gen_length(), block_length=32, slo_ms=600_000.0,
                                     arrival_time=time.time())
         in_flight["n"] += 1
         await publish_request(js, subjects, request)
@@ -282,6 +295,8 @@ async def run_scheduler_and_load(args, nats_url: str, redis_url: str, prefix: st
         "worker_procs": args.worker_procs,
         "step_ms": args.step_ms,
         "gen_length": args.gen_length,
+        "gen_length_spread": args.gen_length_spread,
+        "warmup_s": args.warmup,
         "duration_s": round(elapsed, 2),
         "overhead_ms": _percentiles_ms(measured["gaps_s"]),
         # the steps that waited for a command from the scheduler (not pipelined): the round trip itself
@@ -357,7 +372,13 @@ def main(argv: list[str] | None = None) -> int:
                         "one asyncio loop for all of them queues each command behind the others' steps)")
     p.add_argument("--step-ms", type=float, default=0.0,
                    help="accelerator time per step: the step waits this long with the CPU free (0: none)")
-    p.add_argument("--warmup", type=float, default=3.0)
+    p.add_argument("--gen-length-spread", type=float, default=0.5,
+                   help="each request's length is drawn uniformly within this fraction of --gen-length (0: all equal, "
+                        "so the requests of an instance move in lockstep)")
+    p.add_argument("--warmup", type=float, default=None,
+                   help="seconds before measuring (default: 1.5 request lifetimes at --step-ms, at least 3, so that "
+                        "the first wave of requests has turned over)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the request lengths")
     p.add_argument("--duration", type=float, default=10.0)
     p.add_argument("--json", default=None)
     p.add_argument("--workers-only", action="store_true", help=argparse.SUPPRESS)
@@ -366,6 +387,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefix", help=argparse.SUPPRESS)
     p.add_argument("--first-instance", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if not 0 <= args.gen_length_spread < 1:
+        p.error("--gen-length-spread must be in [0, 1)")
+    if args.warmup is None:
+        args.warmup = max(3.0, 1.5 * args.gen_length * args.step_ms / 1000.0)
     if args.workers_only:
         run(run_workers(args))
         return 0

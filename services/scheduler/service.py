@@ -125,10 +125,11 @@ class _Worker:
     busy_since: float = 0.0  # when that command was sent (a step past step_timeout_s is lost)
     in_flight_ids: list[str] = field(default_factory=list)  # its requests
     drop_ids: list[str] = field(default_factory=list)  # to drop with the next command
-    # pipelining: the conditional command sent for the step after the one in flight (0: none) and its
-    # (request id, threshold) pairs
+    # pipelining: the conditional commands sent for the step after the one in flight (the worker runs
+    # the latest that reached it before the step ended): step id -> ((request id, threshold, may start
+    # a block) items, whether finished requests may be left out); and the latest one's id (0: none)
+    next_sent: dict[int, tuple[list[tuple[str, float, bool]], bool]] = field(default_factory=dict)
     next_step_id: int = 0
-    next_items: list[tuple[str, float]] = field(default_factory=list)
 
 
 def load_policy(settings: SchedulerSettings):
@@ -537,7 +538,7 @@ class SchedulerService:
             worker.busy_step_id = self._step_seq
             worker.busy_since = command.issued_at
             worker.in_flight_ids = [it.request_id for it in items]
-            worker.next_step_id, worker.next_items = 0, []
+            worker.next_step_id, worker.next_sent = 0, {}
             self.metrics.batch_size.observe(len(items))
             if tracing_active():
                 span = self._batch_span("scheduler.step_command", worker.in_flight_ids, SpanKind.PRODUCER, {
@@ -555,11 +556,13 @@ class SchedulerService:
 
     def _send_next(self, instance_id: str, worker: _Worker) -> None:
         """Pipelining: the command for the step after the one in flight, at the requests' current
-        thresholds, sent now so that the worker goes on the moment its step ends if the batch is
-        unchanged (it checks: no request finished or completed its block, each has at least
-        ``overlap_min_tokens`` to go). Sent only where a pass could not place anything else there:
-        every request on the instance is in the step, and the queue is empty or the instance full.
-        Re-sent when ``replan`` changed a threshold (the worker keeps the latest)."""
+        thresholds, sent now so that the worker goes on the moment its step ends. The worker checks
+        the batch: a request that completed its block goes on only if the policy would keep it here
+        at its block start (``may_start_block``, asked now); one that finished is left out when the
+        queue is empty (``drop_finished``: no one waits for its slot), else the worker waits for a
+        pass. Sent only where a pass could not place anything else there: every request on the
+        instance is in the step, and the queue is empty or the instance full. Re-sent when
+        ``replan`` changed a threshold (the worker keeps the latest)."""
         if not self._pipelining or worker.busy_step_id is None or worker.heartbeat.status != WorkerStatus.READY:
             return
         inst = self.view.instances.get(instance_id)
@@ -568,22 +571,24 @@ class SchedulerService:
         if self.view.num_queued > 0 and inst.batch < inst.max_batch:
             return
         pairs, items = [], []
+        stays = self.loop.would_stay(instance_id, worker.in_flight_ids)
         for rid in worker.in_flight_ids:
             request, tracked = self.view.requests.get(rid), self.tracked.get(rid)
             if (request is None or tracked is None or tracked.resyncing or request.instance_id != instance_id
-                    or request.status != RequestStatus.RUNNING or request.threshold is None
-                    or tracked.gen_len - tracked.num_committed < self.settings.overlap_min_tokens):
+                    or request.status != RequestStatus.RUNNING or request.threshold is None):
                 return
-            pairs.append((rid, float(request.threshold)))
+            pairs.append((rid, float(request.threshold), rid in stays))
             # the step in flight writes one version on top of the one it started from
             items.append(StepItem(request_id=rid, threshold=float(request.threshold),
-                                  state_version=tracked.version + 1))
-        if worker.next_step_id and pairs == worker.next_items:
+                                  state_version=tracked.version + 1, may_start_block=rid in stays))
+        drop_finished = self.view.num_queued == 0
+        if worker.next_step_id and worker.next_sent[worker.next_step_id] == (pairs, drop_finished):
             return  # the held command is already this one
         self._step_seq += 1
         command = StepCommand(instance_id=instance_id, step_id=self._step_seq, items=items, issued_at=self.clock(),
-                              after_step_id=worker.busy_step_id, min_masked=self.settings.overlap_min_tokens)
-        worker.next_step_id, worker.next_items = self._step_seq, pairs
+                              after_step_id=worker.busy_step_id, drop_finished=drop_finished)
+        worker.next_step_id = self._step_seq
+        worker.next_sent[self._step_seq] = (pairs, drop_finished)
         self._publish(self.subjects.step(instance_id), command)
 
     async def _on_results(self, msg) -> None:
@@ -674,19 +679,24 @@ class SchedulerService:
             if self.workers.get(results.instance_id) is not worker or worker.busy_step_id != results.step_id:
                 continue  # the instance failed while the predictions were on their way
             if results.continued_step_id:
-                if results.continued_step_id == worker.next_step_id and running is not None:
-                    worker.busy_step_id, worker.busy_since = worker.next_step_id, self.clock()
-                    running[results.instance_id] = worker.next_items
-                    self.counters["pipelined_steps"] += 1
-                else:  # not the command this scheduler sent last (or pipelining is off here): wait for it
-                    logger.warning("instance %s went on to step %d, not the one expected (%d)",
-                                   results.instance_id, results.continued_step_id, worker.next_step_id)
-                    worker.busy_step_id, worker.busy_since = results.continued_step_id, self.clock()
-                worker.next_step_id, worker.next_items = 0, []
+                # the worker went straight on to one of the conditional commands sent for this step
+                sent = worker.next_sent.get(results.continued_step_id)
+                finished = {r.request_id for r in results.results if r.finished}  # left out of it
+                if sent is None:  # cannot happen unless commands cross a scheduler restart: go by the step's
+                    logger.warning("instance %s went on to step %d, which this scheduler did not send",
+                                   results.instance_id, results.continued_step_id)
+                    sent = ([(rid, float(self.view.requests[rid].threshold), False) for rid in worker.in_flight_ids
+                             if rid in self.view.requests and self.view.requests[rid].threshold is not None], True)
+                pairs = [(rid, threshold) for rid, threshold, _ in sent[0] if rid not in finished]
+                worker.busy_step_id, worker.busy_since = results.continued_step_id, self.clock()
+                worker.in_flight_ids = [rid for rid, _ in pairs]
+                if running is not None:
+                    running[results.instance_id] = pairs
+                self.counters["pipelined_steps"] += 1
             else:
                 worker.busy_step_id = None
                 worker.in_flight_ids = []
-                worker.next_step_id, worker.next_items = 0, []
+            worker.next_step_id, worker.next_sent = 0, {}
             if predictions:
                 outcomes = [dataclasses.replace(o, prediction=predictions.get(o.request_id)) for o in outcomes]
             step_results.append(StepResult(results.instance_id, tuple(outcomes), results.duration_s))

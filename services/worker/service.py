@@ -281,20 +281,23 @@ class WorkerService:
             return None
         nxt = held[0]
         stepped = {r.request_id: r for r in results.results}
-        ok = (
-            self.status == WorkerStatus.READY and not results.failures
-            and len(stepped) == len(command.items) == len(nxt.items)
-            and all(
-                (r := stepped.get(it.request_id)) is not None and not it.load_state
-                and it.state_version == r.state_version and not r.finished and not r.block_done
-                and r.num_masked >= nxt.min_masked
-                for it in nxt.items
-            )
-        )
-        if not ok:
+        if (self.status != WorkerStatus.READY or results.failures
+                or not len(stepped) == len(command.items) == len(nxt.items)
+                or any(it.request_id not in stepped for it in nxt.items)):
             return None
+        finished = [it for it in nxt.items if stepped[it.request_id].finished]
+        items = [it for it in nxt.items if not stepped[it.request_id].finished]
+        if not items or (finished and not nxt.drop_finished):
+            return None
+        for it in items:
+            r = stepped[it.request_id]
+            if (it.load_state or it.state_version != r.state_version or (r.block_done and not it.may_start_block)
+                    or r.num_masked < nxt.min_masked):
+                return None
+        if finished:
+            nxt = msgspec.structs.replace(nxt, items=items)
         self._open_steps.add(nxt.step_id)
-        return held
+        return nxt, held[1]
 
     def _step_starting(self, command: StepCommand, continued: bool) -> None:
         """Hook: a step is about to run (``continued``: from a held command, with no round trip)."""

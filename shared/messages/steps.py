@@ -23,6 +23,9 @@ class StepItem(Part, kw_only=True):
     threshold: float  # confidence threshold for this step (Algorithm 1's choice)
     state_version: int  # version of the request's Redis state that this step starts from
     load_state: bool = False  # True: load the state from Redis (migration, or this worker lacks it)
+    # in a conditional command: go on even if the step before completed this request's block (the
+    # scheduler found that it would stay on this instance at its block start)
+    may_start_block: bool = False
 
 
 class StepCommand(Message, kw_only=True):
@@ -36,11 +39,13 @@ class StepCommand(Message, kw_only=True):
     # pipelining: nonzero makes this a conditional command for the step right after step
     # ``after_step_id`` on this instance. The worker keeps it until that step ends, then runs it at once
     # (no round trip to the scheduler) if that step's requests are exactly this command's, all
-    # stepped, none finished or completed its block, and each has at least ``min_masked`` masked
-    # tokens left; otherwise it discards it. Its results say which happened (``continued_step_id``).
-    # A later conditional command for the same step replaces an earlier one.
+    # stepped, none completed its block (unless its item says ``may_start_block``) or finished
+    # (unless ``drop_finished``), and each has at least ``min_masked`` masked tokens left; otherwise
+    # it discards it. Its results say which happened (``continued_step_id``). A later conditional
+    # command for the same step replaces an earlier one.
     after_step_id: int = 0  # 0: run on arrival; else the step this conditional command follows
     min_masked: int = 0  # the condition above (with after_step_id)
+    drop_finished: bool = False  # with after_step_id: requests that finished are left out, the rest go on
 
 
 class StepFailure(Part, kw_only=True):

@@ -12,7 +12,7 @@ import nats
 import pytest
 
 from services.worker.service import WorkerService
-from services.worker.zero_engine import ZeroComputeEngine
+from services.worker.zero_engine import FILL_ID, ZeroComputeEngine
 from shared.messages import codec
 from shared.messages.base import CacheMode
 from shared.messages.steps import StepCommand, StepItem, StepResults
@@ -61,9 +61,11 @@ class Bench:
         await self.nc.close()
         await self.store.close()
 
-    async def request(self, rid: str, gen_length: int = 64) -> RequestRecord:
+    async def request(self, rid: str, gen_length: int = 64, committed: int = 0) -> RequestRecord:
+        """A stored request whose first ``committed`` canvas positions are filled already."""
         record = RequestRecord(
-            request_id=rid, prompt_token_ids=[3, 4, 5], canvas=[1] * gen_length, mask_token_id=1,
+            request_id=rid, prompt_token_ids=[3, 4, 5], canvas=[FILL_ID] * committed + [1] * (gen_length - committed),
+            mask_token_id=1, num_committed=committed,
             gen_length=gen_length, block_length=32, cache_mode=CacheMode.NONE, arrival_time=time.time(),
             deadline=time.time() + 60, slo_ms=60_000.0,
         )
@@ -135,6 +137,56 @@ def test_a_held_command_whose_batch_changed_is_discarded(nats_server, redis_serv
             assert len(bench.results) == 2 and bench.worker.num_continued == 0
             assert bench.worker.num_late_next == 1
             assert (await bench.store.load("a")).num_steps == 2
+        finally:
+            await bench.close()
+
+    run(main())
+
+
+def test_a_block_start_goes_on_only_where_the_scheduler_said_it_would_stay(nats_server, redis_server, unique_prefix):
+    async def main():
+        bench = Bench(nats_server.url, redis_server.url, unique_prefix)
+        await bench.start()
+        try:
+            # 31 of block 0's 32 positions filled: the next step completes the block
+            a = await bench.request("a", committed=31)
+            await bench.send(30, [StepItem(request_id="a", threshold=0.9, state_version=a.version)])
+            await bench.send(31, [StepItem(request_id="a", threshold=0.9, state_version=2)], after=30)
+            b = await bench.request("b", committed=31)
+            await bench.send(32, [StepItem(request_id="b", threshold=0.9, state_version=b.version)])
+            await bench.send(33, [StepItem(request_id="b", threshold=0.9, state_version=2, may_start_block=True)],
+                             after=32)
+            results = await bench.wait_results(3)
+            assert [(r.step_id, r.continued_step_id) for r in results] == [(30, 0), (32, 33), (33, 0)]
+            assert results[0].results[0].block_done and results[1].results[0].block_done
+            assert results[2].results[0].block_index == 1  # the continued step started block 1
+        finally:
+            await bench.close()
+
+    run(main())
+
+
+def test_finished_requests_are_left_out_only_when_allowed(nats_server, redis_server, unique_prefix):
+    async def main():
+        bench = Bench(nats_server.url, redis_server.url, unique_prefix)
+        await bench.start()
+        try:
+            # "last" has one masked position left: it finishes in the first step
+            for k, drop in enumerate((False, True)):
+                last, other = await bench.request(f"last{k}", committed=63), await bench.request(f"other{k}")
+                first = [StepItem(request_id=r.request_id, threshold=0.9, state_version=r.version)
+                         for r in (last, other)]
+                after = [StepItem(request_id=r.request_id, threshold=0.9, state_version=r.version + 1)
+                         for r in (last, other)]
+                await bench.send(40 + 2 * k, first)
+                command = StepCommand(instance_id=INSTANCE, step_id=41 + 2 * k, items=after, issued_at=time.time(),
+                                      after_step_id=40 + 2 * k, drop_finished=drop)
+                await bench.nc.publish(bench.subjects.step(INSTANCE), codec.encode(command))
+                await bench.wait_results(1 + 2 * k)
+            results = bench.results
+            assert [(r.step_id, r.continued_step_id) for r in results] == [(40, 0), (42, 43), (43, 0)]
+            assert [r.finished for r in results[1].results] == [True, False]
+            assert [r.request_id for r in results[2].results] == ["other1"]  # the rest went on alone
         finally:
             await bench.close()
 

@@ -177,6 +177,16 @@ class DiLaServePolicy:
         for request, i in zip(requests, index, strict=True):
             view.set_threshold(request.request_id, self.grid.values[i])
 
+    def would_stay(self, view: ClusterView, instance_id: str, request_ids: list[str]) -> set[str]:
+        """Of these requests running on ``instance_id``, those Algorithm 3 would keep there if their
+        next step started a block (the service's pipelining lets them go on through it)."""
+        inst = view.instances.get(instance_id)
+        if inst is None or not inst.alive:
+            return set()
+        requests = [r for rid in request_ids if (r := view.requests.get(rid)) is not None]
+        stays = self.placer.stay_at_block_start(PlacementScratch(view.table), requests, inst.row)
+        return {r.request_id for r, stay in zip(requests, stays, strict=True) if stay}
+
     # bookkeeping
 
     def _admit(self, view: ClusterView, decisions: Decisions) -> None:

@@ -121,6 +121,12 @@ class SchedulingLoop:
         if replan is not None:
             replan(now, self.view, request_ids)
 
+    def would_stay(self, instance_id: str, request_ids: list[str]) -> set[str]:
+        """Requests on ``instance_id`` that the policy would keep there at a block start (pipelining
+        may run their next block's first step without a pass); none for policies that cannot say."""
+        would_stay = getattr(self.policy, "would_stay", None)
+        return would_stay(self.view, instance_id, request_ids) if would_stay is not None else set()
+
     def on_prediction(self, now: float, request_id: str, prediction: Prediction) -> None:
         """A prediction that arrived on its own; used when the request is next re-planned."""
         self.view.set_prediction(request_id, prediction)

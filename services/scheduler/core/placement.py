@@ -99,6 +99,25 @@ class Placer:
             return stay
         return Placement(found[0], found[1], True)
 
+    def stay_at_block_start(self, scratch: PlacementScratch, requests: list[Request], row: int) -> list[bool]:
+        """Would ``place_resident`` keep each of these requests (all on ``row``) there if its next step
+        started a block? Asked one step ahead, for the service's pipelining, on this event's numbers;
+        the best other instance is found once per step kind, with memory for the smallest request
+        (so a "stay" is never more likely than in the pass)."""
+        config = self.config
+        if not config.migration:
+            return [True] * len(requests)
+        kinds = [StepKind.FULL if r.cache_mode == CacheMode.NONE else StepKind.RECOMPUTE for r in requests]
+        tokens = min((r.context_tokens for r in requests), default=0)
+        would_move: dict[StepKind, bool] = {}
+        for kind in set(kinds):
+            found = self._best(scratch, kind, tokens, row)
+            would_move[kind] = found is not None and found[1] < float(scratch.lat_now[kind, row]) * (1.0 - config.margin)
+        return [
+            not would_move[kind] or r.num_steps_done + 1 - r.last_migration_step < config.cooldown_steps
+            for r, kind in zip(requests, kinds, strict=True)
+        ]
+
     def may_migrate(self, request: Request) -> bool:
         config = self.config
         if not config.migration:

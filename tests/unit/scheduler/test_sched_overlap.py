@@ -82,3 +82,15 @@ def test_an_instance_that_went_on_by_itself_is_mirrored_at_its_thresholds():
     assert loop.view.requests["r0"].status == RequestStatus.RUNNING
     assert loop.view.requests["r2"].status == RequestStatus.READY  # not in the held command: the pass places it
     assert cont.needs_pass
+
+
+def test_would_stay_says_who_keeps_its_instance_at_a_block_start():
+    """Pipelining asks one step ahead: on a lopsided cluster a request would move at its block start
+    (an empty instance is much faster), so it may not go on through it; on its own, it stays."""
+    loop = _running_loop(num_requests=6)
+    ids = [f"r{k}" for k in range(6)]
+    assert loop.would_stay("i0", ids) == set(ids)  # nowhere to go
+    loop.view.add_instance("i1", 1, toy_profile(), node_id="n0")
+    assert loop.would_stay("i0", ids) == set()  # batch 6 at 150 ms vs an empty instance at 100 ms
+    fixed = SchedulingLoop(make_policy("fixed", rng=0), make_view(toy_profile(), [1]))
+    assert fixed.would_stay("i0", ["x"]) == set()  # a policy that cannot say: no one goes on through a block start
