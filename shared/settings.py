@@ -189,8 +189,11 @@ class ReconfiguratorSettings(ServiceSettings):
     window_s: float = _own("reconfigurator", "window_s", 300.0, "arrival rates are measured over this sliding window",
                            gt=0)
     ack_timeout_s: float = _own("reconfigurator", "ack_timeout_s", 300.0,
-                                "a plan not acknowledged by all its nodes within this long stops holding back "
-                                "the next", gt=0)
+                                "a plan (or one wave of a rolling plan) not acknowledged by all its nodes within "
+                                "this long stops holding back the next", gt=0)
+    rolling: bool = _own("reconfigurator", "rolling", True,
+                         "publish a plan one changed node at a time, each once the previous node acknowledged "
+                         "(its new instances are up); false: every node at once")
 
 
 class NodeAgentSettings(ServiceSettings):

@@ -106,6 +106,7 @@ class Simulator:
         self.records = {s.request_id: RequestRecord(s.request_id, s.arrival_s, s.slo_s, s.slo_class) for s in requests}
         self.timeline = Timeline()
         self.reconfigurations: list[dict] = []
+        self._plan_waves: dict[str, list] = {}  # plan id -> its waves not applied yet
         self._specs = {s.request_id: s for s in requests}  # request id -> spec
         self._busy_ids: set[str] = set()  # instances with a step in flight
         self._start_pending_ids: set[str] = set()  # instances with a STEP_START queued
@@ -229,9 +230,9 @@ class Simulator:
         self.cluster.start_now(pending.instance)
         left = self.cluster.plan_to_num_pending[pending.plan_id] - 1
         self.cluster.plan_to_num_pending[pending.plan_id] = left
-        if left == 0 and self.reconfigurator is not None:
-            self.reconfigurator.acknowledge(pending.plan_id)
         self._handle(self.loop.tick(self.now))
+        if left == 0 and self.reconfigurator is not None:
+            self._next_wave(pending.plan_id)  # the next wave, or the acknowledgement after the last
 
     def _on_instance_drained(self, instance_id: str) -> None:
         inst = self.view.instances.get(instance_id)
@@ -304,18 +305,30 @@ class Simulator:
             self.queue.push(self.now, SimEvent.INSTANCE_DRAINED, instance_id)
 
     def _apply_plan(self, plan) -> None:
-        starts = [i for node in plan.placement.nodes for i in node.start]
-        for node in plan.placement.nodes:
-            for inst in node.stop:
-                iid = self.cluster.drain(inst)
-                if iid is not None:
-                    self._check_drained(iid)
-        self.cluster.plan_to_num_pending[plan.plan_id] = len(starts)
-        self.cluster.pending.extend(PendingStart(i, plan.plan_id) for i in starts)
-        if not starts:
-            self.reconfigurator.acknowledge(plan.plan_id)
-        self._start_ready()
-        self._handle(self.loop.tick(self.now))
+        """Every node at once, or node by node (``ClusterSpec.rolling``: ``PlacementPlan.waves``,
+        each wave once the previous one's new instances are up); acknowledged when all are up."""
+        waves = list(plan.placement.waves()) if self.cluster.spec.rolling else [plan.placement.nodes]
+        self._plan_waves[plan.plan_id] = waves
+        self._next_wave(plan.plan_id)
+
+    def _next_wave(self, plan_id: str) -> None:
+        waves = self._plan_waves[plan_id]
+        while waves:
+            nodes = waves.pop(0)
+            starts = [i for node in nodes for i in node.start]
+            for node in nodes:
+                for inst in node.stop:
+                    iid = self.cluster.drain(inst)
+                    if iid is not None:
+                        self._check_drained(iid)
+            self.cluster.plan_to_num_pending[plan_id] = len(starts)
+            self.cluster.pending.extend(PendingStart(i, plan_id) for i in starts)
+            self._start_ready()
+            self._handle(self.loop.tick(self.now))
+            if starts:
+                return  # the next wave goes once these are up
+        del self._plan_waves[plan_id]
+        self.reconfigurator.acknowledge(plan_id)
 
     def _start_ready(self) -> None:
         """Pending starts whose GPUs are free begin loading the model."""

@@ -6,10 +6,13 @@
   (DRAINING and STOPPING ones are on their way out).
 - Every ``interval_s``: the core's ``step`` on the current cluster (Stage 1, Stage 2, trigger rule, in
   a thread so the loop keeps receiving). A plan the core says to apply is published on ``plans`` as a
-  ``ReconfigPlan`` (with ``enabled = false`` it is only logged).
+  ``ReconfigPlan`` (with ``enabled = false`` it is only logged). Rolling (``rolling``, the default):
+  one changed node at a time (``PlacementPlan.waves``), the same plan id with only that node in
+  ``nodes``; the next once it acknowledged, i.e. once its new instances are READY, so a shape switch
+  never drains more than one node's capacity at once (the simulator applies plans the same way).
 - ``plans.ack``: once every node with something to stop or start has answered its ``PlanAck``, the
-  plan is done and the core's ``acknowledge`` lets the next one go. Until then (or ``ack_timeout_s``),
-  no other plan is published.
+  plan is done and the core's ``acknowledge`` lets the next one go. Until then (or ``ack_timeout_s``,
+  per wave), no other plan is published.
 - ``reconfig.apply`` (request/reply, the operator path, ``dls reconfig apply``): an
   ``ApplyConfiguration`` names the instances wanted per TP degree; the core's Stage 2 places them
   with the fewest changes to the running configuration and the plan is published whatever
@@ -32,11 +35,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
 from opentelemetry.trace import SpanKind
 
 from services.reconfigurator.core.files import SpecError, parse_cluster
 from services.reconfigurator.core.monitor import ArrivalEvent, MonitorSettings
-from services.reconfigurator.core.plan import PlacementPlan
+from services.reconfigurator.core.plan import PlacementPlan, rolling_waves
 from services.reconfigurator.core.plan import ReconfigPlan as CorePlan
 from services.reconfigurator.core.planner import PlannerOptions
 from services.reconfigurator.core.reconfigurator import Reconfigurator, StepResult
@@ -165,6 +169,8 @@ class AwaitedPlan:
     node_ids: set[str]  # nodes still to answer
     operator: bool  # published on an operator's request (the core does not track it)
     node_to_status: dict[str, PlanAckStatus] = field(default_factory=dict)  # node -> its answer
+    plan: ReconfigPlan | None = None  # the whole plan (rolling: published one wave at a time)
+    waves: list[list[NodePlan]] = field(default_factory=list)  # rolling: the waves not published yet
 
 
 def plan_ids() -> Iterator[str]:
@@ -286,7 +292,10 @@ class ReconfiguratorService:
         log("plan %s on %s: %s (started %s, stopped %s)%s", ack.plan_id, ack.node, ack.status.name,
             ack.started_instance_ids, ack.stopped_instance_ids, f": {ack.detail}" if ack.detail else "")
         if not awaited.node_ids:
-            self._complete(awaited)
+            if awaited.waves:
+                await self._publish_wave(awaited)
+            else:
+                self._complete(awaited)
 
     def _complete(self, awaited: AwaitedPlan) -> None:
         del self.awaited[awaited.plan_id]
@@ -416,18 +425,37 @@ class ReconfiguratorService:
             await msg.respond(codec.encode(reply, self.settings.max_payload_bytes))
 
     async def _publish(self, plan: ReconfigPlan, operator: bool) -> None:
+        """Publish a plan: every node at once, or (``rolling``) one wave of changed nodes at a time,
+        the next once the previous wave's nodes acknowledged (``_on_ack``)."""
         changed = {n.node for n in plan.nodes if n.stop or n.start}
-        awaited = AwaitedPlan(plan.plan_id, self.clock(), changed, operator)
+        waves = [list(w) for w in rolling_waves(plan.nodes)] if self.settings.rolling else []
+        awaited = AwaitedPlan(plan.plan_id, self.clock(), set() if waves else changed, operator, plan=plan,
+                              waves=waves)
         self.awaited[plan.plan_id] = awaited  # before publishing: an ack may come back at once
-        with self._tracer.start_as_current_span("reconfigurator.plan", kind=SpanKind.PRODUCER, attributes={
-                "dls.plan_id": plan.plan_id, "dls.operator": operator, "dls.changed_nodes": sorted(changed)}):
-            await self.nc.publish(self.subjects.plans, codec.encode(plan, self.settings.max_payload_bytes),
-                                  headers=inject_headers() or None)  # the node agents' spans continue it
         self.num_plans_published += 1
         self.metrics.plans.inc()
-        logger.info("published plan %s: %s, changing nodes %s", plan.plan_id, plan.instances_by_tp, sorted(changed))
+        logger.info("published plan %s: %s, changing nodes %s%s", plan.plan_id, plan.instances_by_tp,
+                    sorted(changed), f" in {len(waves)} waves" if len(waves) > 1 else "")
+        if waves:
+            await self._publish_wave(awaited)
+            return
+        await self._send(plan, sorted(changed), operator)
         if not changed:
             self._complete(awaited)
+
+    async def _publish_wave(self, awaited: AwaitedPlan) -> None:
+        """The next wave of a rolling plan: the plan message with only that wave's nodes."""
+        nodes = awaited.waves.pop(0)
+        awaited.node_ids = {n.node for n in nodes}
+        awaited.issued_at = self.clock()  # each wave gets the whole ack timeout
+        await self._send(msgspec.structs.replace(awaited.plan, nodes=nodes), sorted(awaited.node_ids),
+                         awaited.operator)
+
+    async def _send(self, plan: ReconfigPlan, changed: list[str], operator: bool) -> None:
+        with self._tracer.start_as_current_span("reconfigurator.plan", kind=SpanKind.PRODUCER, attributes={
+                "dls.plan_id": plan.plan_id, "dls.operator": operator, "dls.changed_nodes": changed}):
+            await self.nc.publish(self.subjects.plans, codec.encode(plan, self.settings.max_payload_bytes),
+                                  headers=inject_headers() or None)  # the node agents' spans continue it
 
 
 async def serve(settings: ReconfiguratorSettings) -> None:

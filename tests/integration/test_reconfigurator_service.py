@@ -205,3 +205,44 @@ def test_cluster_spec_forms():
         parse_cluster_spec('{"nodes": {"a": 2}, "placement": []}', degrees)
     with pytest.raises(ValueError, match="cannot read"):
         parse_cluster_spec("no/such/cluster.json", degrees)
+
+
+def test_a_rolling_plan_goes_out_one_node_at_a_time(nats_server, unique_prefix):
+    """Two nodes switch from four TP-1 each to one TP-4 each: the plan is published for one node,
+    and for the other only once the first acknowledged (its new instance is up)."""
+    async def main():
+        config = settings(nats_server.url, unique_prefix, cluster='{"nodes": {"n1": 4, "n2": 4}}')
+        nc = await nats.connect(nats_server.url)
+        subjects = Subjects(unique_prefix)
+        service = ReconfiguratorService(config, nc, LatencyProfile.load(PROFILE))
+        await service.start(periodic=False)
+        plans = await plans_subscription(nc, subjects)
+        now = time.time()
+        for node in ("n1", "n2"):
+            for gpu in range(4):
+                await nc.publish(subjects.heartbeat, encode(WorkerHeartbeat(
+                    instance_id=f"{node}-tp1-g{gpu}", node=node, tp=1, gpu_ids=[gpu], max_batch=16, model="fake",
+                    status=WorkerStatus.READY, ttl_s=600.0, sent_at=now, started_at=now)))
+        await until(lambda: len(service.leases) == 8, "heartbeats")
+        msg = await nc.request(subjects.reconfig_apply, encode(ApplyConfiguration(instances_by_tp={4: 2})),
+                               timeout=WAIT_S)
+        reply = decode(ApplyConfigurationReply, msg.data)
+        assert reply.error is None and sorted(n.node for n in reply.nodes) == ["n1", "n2"]
+        first = await asyncio.wait_for(plans.get(), WAIT_S)
+        assert first.plan_id == reply.plan_id and [n.node for n in first.nodes] == ["n1"]
+        assert slots(first.nodes[0], "start") == [(4, [0, 1, 2, 3])]
+        await asyncio.sleep(0.3)
+        assert plans.empty()  # n2 waits for n1
+        await nc.publish(subjects.plans_ack, encode(PlanAck(plan_id=first.plan_id, node="n1",
+                                                            status=PlanAckStatus.APPLIED, acked_at=time.time())))
+        second = await asyncio.wait_for(plans.get(), WAIT_S)
+        assert second.plan_id == first.plan_id and [n.node for n in second.nodes] == ["n2"]
+        assert service.num_plans_completed == 0
+        await nc.publish(subjects.plans_ack, encode(PlanAck(plan_id=first.plan_id, node="n2",
+                                                            status=PlanAckStatus.APPLIED, acked_at=time.time())))
+        await until(lambda: service.num_plans_completed == 1, "the second node's ack")
+        assert service.num_plans_published == 1 and not service.awaited
+        await service.stop()
+        await nc.close()
+
+    asyncio.run(main())

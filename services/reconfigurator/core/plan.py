@@ -3,9 +3,13 @@ carries both under an id until the node agents acknowledge it."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from .spec import Instance
+
+_N = TypeVar("_N")  # a per-node plan (NodePlan here, or the wire's)
 
 
 @dataclass(frozen=True)
@@ -101,6 +105,13 @@ class NodePlan:
         }
 
 
+def rolling_waves(nodes: Sequence[_N]) -> tuple[tuple[_N, ...], ...]:
+    """``PlacementPlan.waves`` for any per-node plans with ``node``, ``stop`` and ``start`` (the core's
+    or the wire's): one changed node per wave, nodes that only start instances first."""
+    changed = sorted((n for n in nodes if n.stop or n.start), key=lambda n: (bool(n.stop), n.node))
+    return tuple((n,) for n in changed)
+
+
 @dataclass(frozen=True)
 class PlacementPlan:
     """Stage 2: per-node keep, stop and start lists."""
@@ -119,6 +130,14 @@ class PlacementPlan:
     @property
     def num_started(self) -> int:
         return sum(len(n.start) for n in self.nodes)
+
+    def waves(self) -> tuple[tuple[NodePlan, ...], ...]:
+        """A rolling order: one node's changes per wave, the next wave once the previous one's new
+        instances are up, so that the cluster never drains more than one node's worth of capacity
+        at a time (a shape switch at a burst's onset otherwise leaves nothing live while every
+        changed node drains and loads its model). Nodes that only start instances go first; nodes
+        without changes are in no wave."""
+        return rolling_waves(self.nodes)
 
     def target_instances(self) -> list[Instance]:
         """Every instance running once the plan is applied."""

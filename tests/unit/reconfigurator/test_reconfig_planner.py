@@ -32,3 +32,17 @@ def test_stage1_shapes_are_placeable(profile, rps, node_sizes):
     assert sorted(kept_and_stopped) == sorted(running)
     assert set(outcome.solve_s) == {"stage1", "stage2", "current"}
     assert outcome.current is not None
+
+
+def test_rolling_waves_change_one_node_at_a_time_starts_only_first():
+    from services.reconfigurator.core.plan import NodePlan, PlacementPlan
+
+    tp1 = [Instance("a", 1, (g,)) for g in range(4)]
+    plan = PlacementPlan(nodes=(
+        NodePlan("a", stop=tuple(tp1), start=(Instance("a", 4, (0, 1, 2, 3)),)),
+        NodePlan("b", keep=(Instance("b", 2, (0, 1)),)),  # no change: in no wave
+        NodePlan("c", start=(Instance("c", 1, (3,)),)),  # only adds capacity: first
+        NodePlan("d", stop=(Instance("d", 2, (0, 1)),)),
+    ))
+    assert [[n.node for n in wave] for wave in plan.waves()] == [["c"], ["a"], ["d"]]
+    assert PlacementPlan(nodes=(NodePlan("b", keep=(Instance("b", 1, (0,)),)),)).waves() == ()
