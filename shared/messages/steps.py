@@ -23,9 +23,7 @@ class StepItem(Part, kw_only=True):
     threshold: float  # confidence threshold for this step (Algorithm 1's choice)
     state_version: int  # version of the request's Redis state that this step starts from
     load_state: bool = False  # True: load the state from Redis (migration, or this worker lacks it)
-    # in a conditional command: go on even if the step before completed this request's block (the
-    # scheduler found that it would stay on this instance at its block start)
-    may_start_block: bool = False
+    may_start_block: bool = False  # conditional command: go on even if the step before completed its block
 
 
 class StepCommand(Message, kw_only=True):
