@@ -751,7 +751,9 @@ class SchedulerService:
         if cont.continued_ids:
             self.counters["continued_steps"] += len({self.view.requests[rid].instance_id for rid in cont.continued_ids
                                                      if rid in self.view.requests})
-            self._handle(cont.decisions)
+        # dispatch even with nothing continued: a freed instance may hold requests a pass assigned to
+        # it while it was busy (no pass may follow when nothing is READY or queued)
+        self._handle(cont.decisions)
         stepped = [o.request_id for r in step_results for o in r.outcomes if not o.finished]
         self._after_dispatch(lambda: self._overlap_rest(cont, failures, instance_ids, stepped))
 

@@ -275,3 +275,43 @@ def test_a_draining_worker_with_nowhere_to_send_its_requests_leaves_after_its_ti
             await cluster.close()
 
     run(main())
+
+
+def test_a_worker_killed_mid_pipeline_loses_no_request(nats_server, redis_server, unique_prefix):
+    """One of two paced workers dies without a goodbye while the other pipelines, and comes back under
+    the same instance id: the lost steps run again from Redis and every request finishes (a pass that
+    assigns requests to a busy instance must see them dispatched once it frees)."""
+    import nats
+
+    from services.worker.service import WorkerService
+    from shared.settings import WorkerSettings
+    from tests.integration.live import fresh_engine
+
+    async def main():
+        cluster = LiveCluster(nats_server.url, redis_server.url, unique_prefix)
+        await cluster.start(num_workers=2, pace_profile=H100_PROFILE)
+        victim_id, victim = next(iter(cluster.workers.items()))
+        try:
+            tasks = [asyncio.create_task(cluster.submit(engine().encode(p.prompt), gen_length=64, block_length=32))
+                     for p in problems(16, seed=3)]
+            await asyncio.sleep(0.6)
+            for task in [*victim._tasks, *victim._step_tasks]:  # SIGKILL: no STOPPING heartbeat, no results
+                task.cancel()
+            await victim.nc.close()
+            await asyncio.sleep(0.5)
+            settings = WorkerSettings(**cluster.common, heartbeat_interval_s=0.3, lease_ttl_s=1.5,
+                                      pace_profile=H100_PROFILE)
+            nc = await nats.connect(nats_server.url)
+            cluster._connections.append(nc)
+            reborn = WorkerService(settings, fresh_engine(), nc, RedisStateStore.from_url(redis_server.url,
+                                                                                          unique_prefix),
+                                   instance_id=victim_id)
+            await reborn.start()
+            cluster.workers[victim_id] = reborn
+            outcomes = await asyncio.wait_for(asyncio.gather(*tasks), 60)
+            assert all(isinstance(o.final, RequestFinished) for o in outcomes)
+            assert cluster.scheduler.counters["pipelined_steps"] > 0
+        finally:
+            await cluster.close()
+
+    run(main())
