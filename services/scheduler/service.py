@@ -751,9 +751,7 @@ class SchedulerService:
         if cont.continued_ids:
             self.counters["continued_steps"] += len({self.view.requests[rid].instance_id for rid in cont.continued_ids
                                                      if rid in self.view.requests})
-        # dispatch even with nothing continued: a freed instance may hold requests a pass assigned to
-        # it while it was busy (no pass may follow when nothing is READY or queued)
-        self._handle(cont.decisions)
+            self._handle(cont.decisions)
         stepped = [o.request_id for r in step_results for o in r.outcomes if not o.finished]
         self._after_dispatch(lambda: self._overlap_rest(cont, failures, instance_ids, stepped))
 
@@ -781,6 +779,8 @@ class SchedulerService:
         now = self.clock()
         if cont.needs_pass or self.view.ready_ids:  # failed steps' requests are READY again too
             self._handle(self.loop.tick(now))
+        else:  # no pass, but a freed instance may hold requests a pass assigned it while it was busy
+            self._dispatch()
         self.loop.replan(now, cont.continued_ids)
         if self._pipelining:  # the step after the continued ones, at the thresholds replan chose
             for iid in {a.instance_id for a in cont.decisions.assignments}:
