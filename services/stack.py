@@ -43,6 +43,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=int, default=2, help="worker instances (TP 1 each) the node agent starts")
     p.add_argument("--tp", default=None, help="TP degree per worker instead, comma-separated (e.g. 1,2)")
     p.add_argument("--policy", default="dilaserve", help="scheduling policy (dilaserve, fixed, infaas, llumnix, ...)")
+    p.add_argument("--schedulers", type=int, default=1,
+                   help="scheduler replicas (shards: each owns the requests and instances whose ids hash to it)")
     p.add_argument("--pace", default=None, metavar="PROFILE",
                    help="pace workers to a latency profile (e.g. profiles/llada-8b-h100.json) to emulate GPUs")
     p.add_argument("--pace-scale", type=float, default=1.0,
@@ -161,6 +163,8 @@ def service_env(args, nats_url: str, redis_url: str) -> dict[str, str]:
     tps = [int(x) for x in args.tp.split(",")] if args.tp else [1] * args.workers
     if not tps or any(tp < 1 for tp in tps):
         raise CliError(f"--tp/--workers: need at least one instance of TP >= 1, got {tps}")
+    if not 1 <= args.schedulers <= 64:
+        raise CliError(f"--schedulers: between 1 and 64, got {args.schedulers}")
     profile = args.pace or CPU_PROFILE
     env = dict(os.environ)
     env.update({
@@ -171,6 +175,7 @@ def service_env(args, nats_url: str, redis_url: str) -> dict[str, str]:
         "DLS_GATEWAY_MODEL_DIR": args.model,
         "DLS_GATEWAY_PROFILE": profile,
         "DLS_SCHEDULER_POLICY": args.policy,
+        "DLS_SCHEDULER_SHARDS": str(args.schedulers),
         "DLS_SCHEDULER_PROFILE": profile,
         "DLS_SCHEDULER_MODEL_DIR": args.model,
         "DLS_RECONFIGURATOR_PROFILE": profile,
@@ -264,6 +269,14 @@ def _up(args) -> int:
         env = service_env(args, nats_urls, redis_url)  # the services get every server of a cluster
         print(_auth_line(env), flush=True)
         for service in SERVICES:
+            if service == "scheduler":
+                for shard in range(args.schedulers):  # replica 0 is "scheduler", as with one
+                    shard_env = {**metrics_env(env, service), "DLS_SCHEDULER_SHARD": str(shard)}
+                    if shard and shard_env["DLS_METRICS_PORT"] != "0":
+                        shard_env["DLS_METRICS_PORT"] = str(int(shard_env["DLS_METRICS_PORT"]) + 50 + shard)
+                    stack.spawn(f"scheduler-{shard}" if shard else service,
+                                [sys.executable, "-m", "services.scheduler"], shard_env)
+                continue
             stack.spawn(service, [sys.executable, "-m", f"services.{service}"], metrics_env(env, service))
         url = f"http://{args.host}:{args.port}"
         print(f"waiting for the gateway at {url} (logs in {stack.run_dir / 'logs'}) ...", flush=True)

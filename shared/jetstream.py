@@ -29,7 +29,7 @@ from nats.js.errors import NotFoundError
 
 from shared.messages.codec import DEFAULT_MAX_PAYLOAD_BYTES, CodecError, decode, encode
 from shared.messages.intake import CompletionRequest
-from shared.subjects import Subjects
+from shared.subjects import Subjects, shard_of
 
 logger = logging.getLogger(__name__)
 
@@ -47,13 +47,16 @@ async def ensure_intake_stream(
     num_replicas: int = 1,
     duplicate_window_s: float = 120.0,
 ) -> StreamInfo:
-    """Create the intake stream if it is missing; check an existing one has work-queue retention."""
+    """Create the intake stream if it is missing; check an existing one has work-queue retention.
+
+    The stream takes the plain intake subject and the per-shard ones (``<p>.requests.<shard>``); an
+    existing stream without the latter (made before sharding existed) gets them added."""
     try:
         info = await js.stream_info(subjects.intake_stream)
     except NotFoundError:
         return await js.add_stream(StreamConfig(
             name=subjects.intake_stream,
-            subjects=[subjects.intake],
+            subjects=[subjects.intake, subjects.intake_shards],
             retention=RetentionPolicy.WORK_QUEUE,
             storage=storage,
             num_replicas=num_replicas,
@@ -66,6 +69,9 @@ async def ensure_intake_stream(
         )
     if subjects.intake not in (info.config.subjects or []):
         raise IntakeError(f"stream {subjects.intake_stream} exists but does not take {subjects.intake!r}")
+    if subjects.intake_shards not in info.config.subjects:
+        info.config.subjects = [*info.config.subjects, subjects.intake_shards]
+        info = await js.update_stream(info.config)
     return info
 
 
@@ -76,16 +82,18 @@ async def publish_request(
     headers: dict[str, str] | None = None,
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
     timeout_s: float = 5.0,
+    shards: int = 1,
 ) -> PubAck:
     """Publish ``request`` to the intake and wait for JetStream to store it.
 
     ``headers``: e.g. the OpenTelemetry trace context. ``PubAck.duplicate`` is true when the stream
-    already had this request id (a retried publish).
+    already had this request id (a retried publish). ``shards`` > 1: to the subject of the scheduler
+    shard that owns the request id (``shard_of``).
     """
     data = encode(request, max_payload_bytes)
     all_headers = {**(headers or {}), MSG_ID_HEADER: request.request_id}
-    return await js.publish(subjects.intake, data, timeout=timeout_s, stream=subjects.intake_stream,
-                            headers=all_headers)
+    subject = subjects.intake_for(shard_of(request.request_id, shards), shards)
+    return await js.publish(subject, data, timeout=timeout_s, stream=subjects.intake_stream, headers=all_headers)
 
 
 @dataclass
@@ -130,12 +138,15 @@ class IntakeConsumer:
         ack_wait_s: float = 30.0,
         max_deliver: int = -1,
         max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+        shard: int = 0,
+        shards: int = 1,
     ) -> IntakeConsumer:
-        """Bind to the durable consumer ``durable``, creating it if missing (then with these settings)."""
+        """Bind to the durable consumer ``durable``, creating it if missing (then with these settings);
+        with several shards, the consumer takes only its shard's subject."""
         config = ConsumerConfig(durable_name=durable, ack_policy=AckPolicy.EXPLICIT, ack_wait=ack_wait_s,
                                 max_deliver=max_deliver)
-        subscription = await js.pull_subscribe(subjects.intake, durable=durable, stream=subjects.intake_stream,
-                                               config=config)
+        subscription = await js.pull_subscribe(subjects.intake_for(shard, shards), durable=durable,
+                                               stream=subjects.intake_stream, config=config)
         return cls(subscription, max_payload_bytes)
 
     async def fetch(self, batch: int = 1, timeout_s: float = 1.0) -> list[IntakeDelivery]:

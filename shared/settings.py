@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.messages.codec import DEFAULT_MAX_PAYLOAD_BYTES
@@ -45,6 +45,9 @@ class ServiceSettings(BaseSettings):
     metrics_host: str = Field("127.0.0.1", description="address the /metrics endpoint binds")
     intake_replicas: int = Field(1, gt=0, le=5,
                                  description="JetStream replicas of the intake stream (3 on a 3-node NATS cluster)")
+    scheduler_shards: int = Field(1, gt=0, le=64,
+                                  description="scheduler replicas, each owning the requests and instances whose "
+                                              "ids hash to it (every service must agree)")
 
     @field_validator("subject_prefix")
     @classmethod
@@ -120,6 +123,7 @@ class SchedulerSettings(ServiceSettings):
                                    "overlap: an instance whose requests all have at least this many tokens left and "
                                    "no block start next gets its next step before the scheduling pass, which then "
                                    "sets their thresholds for the step after (one step late); 0: off", ge=0)
+    shard: int = _own("scheduler", "shard", 0, "this replica's shard, 0 .. DLS_SCHEDULER_SHARDS - 1", ge=0)
     pipeline_steps: bool = _own("scheduler", "pipeline_steps", True,
                                 "pipelining (with overlap): while a step runs, send the command for the step after "
                                 "it, which the worker runs at once if its batch is unchanged (no round trip)")
@@ -130,6 +134,12 @@ class SchedulerSettings(ServiceSettings):
                                  "a step whose results have not come back after this long is lost (command or "
                                  "results dropped): its requests resume from Redis", gt=0)
 
+    @model_validator(mode="after")
+    def _shard_in_range(self) -> SchedulerSettings:
+        if self.shard >= self.scheduler_shards:
+            raise ValueError(f"DLS_SCHEDULER_SHARD {self.shard} is not below DLS_SCHEDULER_SHARDS {self.scheduler_shards}")
+        return self
+
 
 class WorkerSettings(ServiceSettings):
     """One model instance."""
@@ -137,6 +147,8 @@ class WorkerSettings(ServiceSettings):
     instance_id: str | None = _own("worker", "instance_id", None, "instance id; unset: <node>-<gpus>-<pid>")
     node: str = _own("worker", "node", "local", "node name (the node agent sets it)")
     gpu_ids: list[int] = _own("worker", "gpu_ids", [], "GPUs of the node this instance holds (JSON list)")
+    shard: int | None = _own("worker", "shard", None, "the scheduler shard that owns this instance (the node agent "
+                             "sets it); unset: by hash of the instance id", ge=0)
     tp: int = _own("worker", "tp", 1, "tensor-parallel degree", gt=0)
     model_dir: str = _own("worker", "model_dir", "models/dls-tiny", "model directory (bundled, LLaDA or Dream)")
     device: str = _own("worker", "device", "cpu", "torch device")

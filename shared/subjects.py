@@ -3,9 +3,10 @@
 | subject | carries | pattern |
 |---|---|---|
 | ``<p>.requests`` | ``CompletionRequest`` | JetStream stream ``<P>_REQUESTS``, work-queue retention |
+| ``<p>.requests.<shard>`` | ``CompletionRequest`` | the same stream, with several scheduler shards |
 | ``<p>.cancel`` | ``CancelRequest`` | publish/subscribe |
 | ``<p>.step.<instance id>`` | ``StepCommand`` | publish/subscribe, one subject per instance |
-| ``<p>.results`` | ``StepResults`` | publish/subscribe |
+| ``<p>.results`` (``.<shard>``) | ``StepResults`` | publish/subscribe (per scheduler shard when sharded) |
 | ``<p>.events.<request id>`` | ``RequestEvent`` | publish/subscribe, one subject per request |
 | ``<p>.predict`` | ``PredictRequest`` -> ``PredictReply`` | request/reply (queue group) |
 | ``<p>.heartbeat`` | ``WorkerHeartbeat`` | publish/subscribe |
@@ -18,8 +19,15 @@
 from __future__ import annotations
 
 import re
+import zlib
 
 DEFAULT_PREFIX = "dls"
+
+
+def shard_of(key: str, shards: int) -> int:
+    """The scheduler shard that owns a request or instance id: a stable hash (CRC-32) modulo
+    ``shards`` (every service computes the same one; 0 when there is one shard)."""
+    return zlib.crc32(key.encode()) % shards if shards > 1 else 0
 
 # A subject token: no whitespace or control characters, no dot (token separator), no wildcards.
 _BAD_TOKEN_CHARS = re.compile(r"[\s.*>\x00-\x1f\x7f]")
@@ -65,6 +73,15 @@ class Subjects:
         return self._subject("requests")
 
     @property
+    def intake_shards(self) -> str:
+        """Wildcard over the sharded intake subjects (the stream takes them too)."""
+        return self._subject("requests", "*")
+
+    def intake_for(self, shard: int, shards: int) -> str:
+        """Where a request for ``shard`` goes: the plain intake with one shard."""
+        return self.intake if shards <= 1 else self._subject("requests", str(shard))
+
+    @property
     def cancel(self) -> str:
         return self._subject("cancel")
 
@@ -81,6 +98,10 @@ class Subjects:
     @property
     def results(self) -> str:
         return self._subject("results")
+
+    def results_for(self, shard: int, shards: int) -> str:
+        """Where an instance of ``shard`` sends its step results: the plain subject with one shard."""
+        return self.results if shards <= 1 else self._subject("results", str(shard))
 
     # --- events -------------------------------------------------------------------------------
 

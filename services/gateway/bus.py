@@ -241,7 +241,7 @@ class GatewayBus:
     async def _publish(self, request: CompletionRequest, headers: dict[str, str] | None) -> None:
         try:
             await publish_request(self._js, self.subjects, request, headers, self.settings.max_payload_bytes,
-                                  PUBLISH_TIMEOUT_S)
+                                  PUBLISH_TIMEOUT_S, shards=self.settings.scheduler_shards)
         except PayloadTooLargeError:
             raise
         except (nats.errors.Error, TimeoutError) as exc:

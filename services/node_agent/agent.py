@@ -213,6 +213,8 @@ class NodeAgent:
             "DLS_WORKER_NODE": self.node,
             "DLS_WORKER_GPU_IDS": json.dumps(list(worker.gpu_ids)),
             "DLS_WORKER_TP": str(worker.tp),
+            # scheduler shards take the node's slots in turn (a hash of a few instance ids can leave one empty)
+            "DLS_WORKER_SHARD": str((worker.gpu_ids[0] // worker.tp if worker.gpu_ids else 0) % s.scheduler_shards),
         })
         if s.otel_endpoint:
             env["DLS_OTEL_ENDPOINT"] = s.otel_endpoint

@@ -66,7 +66,7 @@ from shared.runtime import connect_nats, freeze_startup_heap, on_stop_signals
 from shared.settings import SchedulerSettings
 from shared.state import RequestRecord, StaleStateError, StateStore
 from shared.state import RequestStatus as StoredStatus
-from shared.subjects import Subjects
+from shared.subjects import Subjects, shard_of
 from shared.telemetry import (
     context_of,
     extract_context,
@@ -220,15 +220,23 @@ class SchedulerService:
         self._threshold_samples: list[float] = []  # step thresholds not yet in the histogram
         self._predictor_down_until = 0.0  # no predict calls before this (the last one got no reply)
 
+    def _owns(self, key: str) -> bool:
+        """Is this request id this replica's (``DLS_SCHEDULER_SHARDS`` > 1: by hash)? (An instance's
+        shard is in its heartbeat.)"""
+        return shard_of(key, self.settings.scheduler_shards) == self.settings.shard
+
     # --- lifecycle -------------------------------------------------------------------------------
 
     async def start(self) -> None:
         await ensure_intake_stream(self.js, self.subjects, num_replicas=self.settings.intake_replicas)
+        shard, shards = self.settings.shard, self.settings.scheduler_shards
         self._intake = await IntakeConsumer.create(
-            self.js, self.subjects, durable=self.settings.consumer_name, ack_wait_s=self.settings.ack_wait_s,
+            self.js, self.subjects, durable=self.settings.consumer_name + (f"-{shard}" if shards > 1 else ""),
+            shard=shard, shards=shards, ack_wait_s=self.settings.ack_wait_s,
             max_payload_bytes=self.settings.max_payload_bytes,
         )
-        for subject, cb in ((self.subjects.heartbeat, self._on_heartbeat), (self.subjects.results, self._on_results),
+        results = self.subjects.results_for(shard, shards)
+        for subject, cb in ((self.subjects.heartbeat, self._on_heartbeat), (results, self._on_results),
                             (self.subjects.cancel, self._on_cancel)):
             self._subscriptions.append(await self.nc.subscribe(subject, cb=cb))
         await self._resume_in_flight()
@@ -372,7 +380,7 @@ class SchedulerService:
         if not ids:
             return
         loaded = await retry_transient(lambda: self.store.load_many(ids), "loading in-flight requests", logger)
-        records = [r for r in loaded if r is not None and not r.is_terminal]
+        records = [r for r in loaded if r is not None and not r.is_terminal and self._owns(r.request_id)]
         requests = [self._track(r) for r in records if r.request_id not in self.tracked]
         if requests:
             logger.info("resuming %d in-flight requests from Redis", len(requests))
@@ -388,6 +396,8 @@ class SchedulerService:
             self.metrics.malformed.labels(subject="heartbeat").inc()
             logger.warning("dropping a malformed heartbeat: %s", exc)
             return
+        if beat.shard != self.settings.shard and self.settings.scheduler_shards > 1:
+            return  # another scheduler shard's instance
         now = self.clock()
         worker = self.workers.get(beat.instance_id)
         if worker is not None and beat.started_at != worker.heartbeat.started_at:

@@ -49,7 +49,7 @@ from shared.retry import retry_transient
 from shared.runtime import connect_nats, freeze_startup_heap, on_stop_signals
 from shared.settings import WorkerSettings
 from shared.state import RequestRecord, RequestStatus, StateStore, StepRecord
-from shared.subjects import Subjects
+from shared.subjects import Subjects, shard_of
 from shared.telemetry import (
     context_of,
     extract_context,
@@ -94,6 +94,11 @@ class WorkerService:
         self.store = store
         self.subjects = Subjects(settings.subject_prefix)
         self.instance_id = instance_id or settings.instance_id or default_instance_id(settings)
+        shards = settings.scheduler_shards  # the scheduler replica that owns this instance hears its results
+        self.shard = settings.shard if settings.shard is not None else shard_of(self.instance_id, shards)
+        if self.shard >= shards:
+            raise ValueError(f"DLS_WORKER_SHARD {self.shard} is not below DLS_SCHEDULER_SHARDS {shards}")
+        self._results_subject = self.subjects.results_for(self.shard, shards)
         self.clock = clock
         self.status = WorkerStatus.STARTING
         self.started_at = clock()
@@ -203,6 +208,7 @@ class WorkerService:
             status=self.status, num_resident=len(self.local),
             ttl_s=self.settings.lease_ttl_s, sent_at=self.clock(), started_at=self.started_at,
             metrics_port=self._metrics_server.server_port if self._metrics_server is not None else 0,
+            shard=self.shard,
         )
         await self.nc.publish(self.subjects.heartbeat, codec.encode(beat, self.settings.max_payload_bytes))
 
@@ -256,7 +262,7 @@ class WorkerService:
                     if step is not None:
                         results = msgspec.structs.replace(results, continued_step_id=step[0].step_id)
                         self.num_continued += 1
-                    await self.nc.publish(self.subjects.results,
+                    await self.nc.publish(self._results_subject,
                                           codec.encode(results, self.settings.max_payload_bytes))
                     self._step_published(results)
                 continued = True

@@ -43,6 +43,7 @@ class WorkerHeartbeat(Message, kw_only=True):
     sent_at: float  # unix time (s) of this heartbeat
     started_at: float = 0.0  # unix time (s) the worker started (a change means it restarted)
     metrics_port: int = 0  # port of its Prometheus /metrics endpoint on its node; 0: none
+    shard: int = 0  # the scheduler shard that owns this instance (DLS_SCHEDULER_SHARDS > 1)
 
     @property
     def expires_at(self) -> float:

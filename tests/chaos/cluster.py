@@ -232,7 +232,7 @@ class Cluster:
         self.gateway_port = free_port()
         args = SimpleNamespace(host="127.0.0.1", port=self.gateway_port, workers=self.workers, tp=None,
                                policy="dilaserve", pace=PACE_PROFILE, pace_scale=self.pace_scale,
-                               pace_context=None, model="models/dls-tiny", run_dir=str(self.run_dir))
+                               pace_context=None, model="models/dls-tiny", run_dir=str(self.run_dir), schedulers=1)
         env = service_env(args, self.nats_urls[0], self.redis_url)
         env.update({
             "DLS_NATS_URL": ",".join(self.nats_urls),

@@ -131,7 +131,7 @@ class LiveCluster:
         request = CompletionRequest(request_id=rid, prompt_token_ids=prompt_ids, gen_length=gen_length,
                                     block_length=block_length, cache_mode=cache, slo_ms=slo_ms,
                                     arrival_time=time.time(), stream=stream, **fields)
-        await publish_request(self.js, self.subjects, request)
+        await publish_request(self.js, self.subjects, request, shards=self.scheduler_settings.scheduler_shards)
         try:
             await asyncio.wait_for(done.wait(), 60)
         finally:

@@ -22,7 +22,7 @@ from shared.messages.predictor import (
     StepPrediction,
 )
 from shared.state import RedisStateStore, RequestExistsError, RequestRecord
-from shared.subjects import Subjects
+from shared.subjects import Subjects, shard_of
 
 pytestmark = pytest.mark.integration
 
@@ -48,7 +48,33 @@ def test_stream_has_work_queue_retention_and_ensure_is_idempotent(nats_server, u
         first = await ensure_intake_stream(js, subjects)
         again = await ensure_intake_stream(js, subjects)
         assert first.config.retention == again.config.retention == RetentionPolicy.WORK_QUEUE
-        assert again.config.subjects == [subjects.intake]
+        assert again.config.subjects == [subjects.intake, subjects.intake_shards]
+        await nc.close()
+
+    asyncio.run(main())
+
+
+def test_a_stream_made_before_shards_gets_their_subjects_and_each_shard_its_requests(nats_server, unique_prefix):
+    async def main():
+        nc = await nats.connect(nats_server.url)
+        js, subjects = nc.jetstream(), Subjects(unique_prefix)
+        await js.add_stream(StreamConfig(name=subjects.intake_stream, subjects=[subjects.intake],
+                                         retention=RetentionPolicy.WORK_QUEUE))
+        info = await ensure_intake_stream(js, subjects)
+        assert info.config.subjects == [subjects.intake, subjects.intake_shards]
+        ids = [f"r{k}" for k in range(12)]
+        for rid in ids:
+            await publish_request(js, subjects, request(rid), shards=2)
+        got = {}
+        for shard in (0, 1):
+            consumer = await IntakeConsumer.create(js, subjects, durable=f"sched-{shard}", shard=shard, shards=2)
+            deliveries = await consumer.fetch(20, timeout_s=2.0)
+            got[shard] = sorted(d.request.request_id for d in deliveries)
+            for d in deliveries:
+                await d.ack()
+            await consumer.close()
+        assert got[0] and got[1] and sorted(got[0] + got[1]) == sorted(ids)
+        assert all(shard_of(rid, 2) == shard for shard, rids in got.items() for rid in rids)
         await nc.close()
 
     asyncio.run(main())

@@ -315,3 +315,50 @@ def test_a_worker_killed_mid_pipeline_loses_no_request(nats_server, redis_server
             await cluster.close()
 
     run(main())
+
+
+def test_two_scheduler_shards_split_requests_and_instances(nats_server, redis_server, unique_prefix):
+    """Two scheduler replicas (DLS_SCHEDULER_SHARDS=2): each takes the requests and instances whose ids
+    hash to it, so every request runs only on its own shard's instances, and all finish."""
+    import nats
+
+    from services.scheduler.service import SchedulerService
+    from services.worker.service import WorkerService
+    from shared.settings import SchedulerSettings, WorkerSettings
+    from shared.subjects import shard_of
+    from tests.integration.live import fresh_engine
+
+    async def main():
+        cluster = LiveCluster(nats_server.url, redis_server.url, unique_prefix,
+                              scheduler_overrides={"scheduler_shards": 2, "shard": 0})
+        await cluster.start(num_workers=0)
+        nc = await nats.connect(nats_server.url)
+        cluster._connections.append(nc)
+        second = SchedulerService(SchedulerSettings(**{**cluster.scheduler_settings.model_dump(), "shard": 1}), nc,
+                                  nc.jetstream(), RedisStateStore.from_url(redis_server.url, unique_prefix))
+        await second.start()
+        schedulers = [cluster.scheduler, second]
+        names = iter(f"w{k}" for k in range(100))
+        ids = [next(n for n in names if shard_of(n, 2) == shard) for shard in (0, 1)]  # one instance per shard
+        for iid in ids:
+            settings = WorkerSettings(**cluster.common, scheduler_shards=2, heartbeat_interval_s=0.3, lease_ttl_s=1.5)
+            wnc = await nats.connect(nats_server.url)
+            cluster._connections.append(wnc)
+            worker = WorkerService(settings, fresh_engine(), wnc, RedisStateStore.from_url(redis_server.url,
+                                                                                          unique_prefix),
+                                   instance_id=iid)
+            await worker.start()
+            cluster.workers[iid] = worker
+        try:
+            await cluster.wait_for(lambda: [list(s.view.instances) for s in schedulers] == [[iid] for iid in ids],
+                                   what="each shard's instance joined it alone")
+            outcomes = await asyncio.gather(*[cluster.submit(engine().encode(p.prompt)) for p in problems(12, seed=9)])
+            for outcome in outcomes:
+                assert isinstance(outcome.final, RequestFinished), outcome.final
+                assert outcome.final.usage.instance_ids == [ids[shard_of(outcome.request_id, 2)]]
+            assert {shard_of(o.request_id, 2) for o in outcomes} == {0, 1}  # both shards had work
+        finally:
+            await second.stop()
+            await cluster.close()
+
+    run(main())
