@@ -93,7 +93,9 @@ class LiveCluster:
         await self.scheduler.start()
         return self.scheduler
 
-    async def add_worker(self, instance_id: str | None = None, engine=None, **overrides) -> WorkerService:
+    async def add_worker(self, instance_id: str | None = None, engine=None, wait: bool = True,
+                         **overrides) -> WorkerService:
+        """Start a worker service (settings ``overrides``); ``wait``: until the scheduler has it."""
         instance_id = instance_id or f"w{len(self.workers)}-{uuid.uuid4().hex[:6]}"
         settings = WorkerSettings(**self.common, **{"heartbeat_interval_s": 0.3, "lease_ttl_s": 1.5, **overrides})
         nc = await self._connect()
@@ -101,7 +103,8 @@ class LiveCluster:
         worker = WorkerService(settings, engine or fresh_engine(), nc, store, instance_id=instance_id)
         await worker.start()
         self.workers[instance_id] = worker
-        await self.wait_for(lambda: instance_id in self.scheduler.view.instances, what=f"{instance_id} joined")
+        if wait:
+            await self.wait_for(lambda: instance_id in self.scheduler.view.instances, what=f"{instance_id} joined")
         return worker
 
     async def wait_for(self, condition, timeout_s: float = 20.0, what: str = "condition") -> None:

@@ -281,12 +281,6 @@ def test_a_worker_killed_mid_pipeline_loses_no_request(nats_server, redis_server
     """One of two paced workers dies without a goodbye while the other pipelines, and comes back under
     the same instance id: the lost steps run again from Redis and every request finishes (a pass that
     assigns requests to a busy instance must see them dispatched once it frees)."""
-    import nats
-
-    from services.worker.service import WorkerService
-    from shared.settings import WorkerSettings
-    from tests.integration.live import fresh_engine
-
     async def main():
         cluster = LiveCluster(nats_server.url, redis_server.url, unique_prefix)
         await cluster.start(num_workers=2, pace_profile=H100_PROFILE)
@@ -299,15 +293,7 @@ def test_a_worker_killed_mid_pipeline_loses_no_request(nats_server, redis_server
                 task.cancel()
             await victim.nc.close()
             await asyncio.sleep(0.5)
-            settings = WorkerSettings(**cluster.common, heartbeat_interval_s=0.3, lease_ttl_s=1.5,
-                                      pace_profile=H100_PROFILE)
-            nc = await nats.connect(nats_server.url)
-            cluster._connections.append(nc)
-            reborn = WorkerService(settings, fresh_engine(), nc, RedisStateStore.from_url(redis_server.url,
-                                                                                          unique_prefix),
-                                   instance_id=victim_id)
-            await reborn.start()
-            cluster.workers[victim_id] = reborn
+            await cluster.add_worker(instance_id=victim_id, wait=False, pace_profile=H100_PROFILE)  # restarted
             outcomes = await asyncio.wait_for(asyncio.gather(*tasks), 60)
             assert all(isinstance(o.final, RequestFinished) for o in outcomes)
             assert cluster.scheduler.counters["pipelined_steps"] > 0
@@ -323,10 +309,8 @@ def test_two_scheduler_shards_split_requests_and_instances(nats_server, redis_se
     import nats
 
     from services.scheduler.service import SchedulerService
-    from services.worker.service import WorkerService
-    from shared.settings import SchedulerSettings, WorkerSettings
+    from shared.settings import SchedulerSettings
     from shared.subjects import shard_of
-    from tests.integration.live import fresh_engine
 
     async def main():
         cluster = LiveCluster(nats_server.url, redis_server.url, unique_prefix,
@@ -341,14 +325,7 @@ def test_two_scheduler_shards_split_requests_and_instances(nats_server, redis_se
         names = iter(f"w{k}" for k in range(100))
         ids = [next(n for n in names if shard_of(n, 2) == shard) for shard in (0, 1)]  # one instance per shard
         for iid in ids:
-            settings = WorkerSettings(**cluster.common, scheduler_shards=2, heartbeat_interval_s=0.3, lease_ttl_s=1.5)
-            wnc = await nats.connect(nats_server.url)
-            cluster._connections.append(wnc)
-            worker = WorkerService(settings, fresh_engine(), wnc, RedisStateStore.from_url(redis_server.url,
-                                                                                          unique_prefix),
-                                   instance_id=iid)
-            await worker.start()
-            cluster.workers[iid] = worker
+            await cluster.add_worker(instance_id=iid, wait=False, scheduler_shards=2)
         try:
             await cluster.wait_for(lambda: [list(s.view.instances) for s in schedulers] == [[iid] for iid in ids],
                                    what="each shard's instance joined it alone")
