@@ -1,11 +1,17 @@
 """Synthetic reasoning tasks: the stand-in for GSM8K that the bundled model is trained and scored on.
 
-Two families, both checkable without a reference model:
+Three families, all checkable without a reference model:
 
 * ``add``: multi-digit addition with carries (``347+589=`` -> ``936``), scored by exact match.
 * ``words``: ``@c=`` asks for three words of category ``c``, drawn from the category's weighted word
   list. Several answers are valid; an answer is scored by *validity* (three words, each in the list).
-  The categories are built so that the threshold matters (see ``CATEGORIES``):
+* ``chain``: the long family (35 to 125 tokens, 4 or more blocks of 16). ``@d.q=`` asks for a chain
+  of items labelled ``q`` down to ``a`` (``q:pat p:kan o:sel ... a:bog``): the first word is of
+  category ``d``, and each later word's category is set by the last letter of the word before it
+  (``CHAIN_NEXT_CATEGORY``), so every word depends on the one before, across block boundaries. Scored
+  by validity (labels, count, categories and links all right).
+
+The categories are built so that the threshold matters (see ``CATEGORIES``):
 
   - *independent* categories: every letter position chooses between two letters on its own (80/20
     and the like), so every combination is a word. A low threshold commits all letters of a word in
@@ -37,6 +43,10 @@ HELD_OUT_PERCENT = 10
 class Family(StrEnum):
     ADD = "add"
     WORDS = "words"
+    CHAIN = "chain"
+
+
+SHORT_FAMILIES = (Family.ADD, Family.WORDS)  # answers of at most 12 tokens; few-shot examples come from these
 
 
 class Split(StrEnum):
@@ -91,6 +101,22 @@ CATEGORIES: dict[str, Category] = {
 }
 
 
+# The chain family: the last letter of a word -> the category of the next word. Every 3-letter
+# category can follow; the coupled ones (d, e, g) come up in about 28% of the links, so a long chain
+# almost always holds some words that a low threshold breaks.
+CHAIN_NEXT_CATEGORY: dict[str, str] = {
+    "g": "b", "n": "c", "l": "a", "t": "d", "p": "e", "r": "g", "m": "a", "x": "b",
+}
+CHAIN_CATEGORIES = ("a", "b", "c", "d", "e", "g")  # the categories whose words all have 3 letters
+CHAIN_MIN_ITEMS, CHAIN_MAX_ITEMS = 6, 21  # labels "f" .. "u": answers of 35 .. 125 tokens
+CHAIN_LABELS = "abcdefghijklmnopqrstuvwxyz"
+
+
+def chain_answer_length(num_items: int) -> int:
+    """Characters of a chain answer: ``label:word`` items (5 characters) joined by spaces."""
+    return 6 * num_items - 1
+
+
 @dataclass(frozen=True)
 class Problem:
     """One task instance: ``prompt`` (few-shot examples, then ``query``) and a reference answer."""
@@ -116,9 +142,28 @@ def check_answer(problem: Problem, answer: str) -> bool:
     answer = answer.strip()
     if problem.family is Family.ADD:
         return answer == problem.answer
+    if problem.family is Family.CHAIN:
+        return _valid_chain(problem.query, answer)
     category = CATEGORIES[problem.query[1]]
     words = answer.split(" ")
     return len(words) == WORDS_PER_ANSWER and all(w in category.word_to_weight for w in words)
+
+
+def _valid_chain(query: str, answer: str) -> bool:
+    """``@{start}.{last}=``: items ``last`` .. ``a``, each word in the category its link sets."""
+    start, last = query[1], query[3]
+    items = answer.split(" ")
+    if len(items) != CHAIN_LABELS.index(last) + 1:
+        return False
+    category = start
+    for index, item in enumerate(items):
+        label, _, word = item.partition(":")
+        if label != CHAIN_LABELS[len(items) - 1 - index] or word not in CATEGORIES[category].word_to_weight:
+            return False
+        category = CHAIN_NEXT_CATEGORY.get(word[-1], "")
+        if not category:
+            return False
+    return True
 
 
 class TaskGenerator:
@@ -142,7 +187,7 @@ class TaskGenerator:
     def problem(self, num_shots: int, split: Split = Split.TRAIN, family: Family | None = None) -> Problem:
         family = family or self._pick_family()
         query, answer = self._query(family, split)
-        examples = [self._example() for _ in range(num_shots)]
+        examples = [self._example() for _ in range(num_shots)]  # always short, whatever the query
         prompt = "".join(q + a + SEPARATOR for q, a in examples) + query
         return Problem(family, query, answer, prompt, num_shots)
 
@@ -154,11 +199,14 @@ class TaskGenerator:
         return self._rng.choices(families, weights=[self._family_weights[f] for f in families])[0]
 
     def _example(self) -> tuple[str, str]:
-        return self._query(self._pick_family(), Split.TRAIN)
+        family = self._pick_family()
+        return self._query(family if family in SHORT_FAMILIES else Family.ADD, Split.TRAIN)
 
     def _query(self, family: Family, split: Split) -> tuple[str, str]:
         if family is Family.WORDS:
             return self._words()  # the held-out idea does not apply: the query is only a category
+        if family is Family.CHAIN:
+            return self._chain()  # nor here: the query is a category and a length
         while True:
             query, answer = self._addition()
             if split is Split.ANY or is_held_out(query) == (split is Split.HELD_OUT):
@@ -178,3 +226,13 @@ class TaskGenerator:
         category = CATEGORIES[self._rng.choice(sorted(CATEGORIES))]
         words = [category.sample_word(self._rng) for _ in range(WORDS_PER_ANSWER)]
         return f"@{category.name}=", " ".join(words)
+
+    def _chain(self) -> tuple[str, str]:
+        start = self._rng.choice(CHAIN_CATEGORIES)
+        num_items = self._rng.randint(CHAIN_MIN_ITEMS, CHAIN_MAX_ITEMS)
+        items, category = [], start
+        for index in range(num_items):
+            word = CATEGORIES[category].sample_word(self._rng)
+            items.append(f"{CHAIN_LABELS[num_items - 1 - index]}:{word}")
+            category = CHAIN_NEXT_CATEGORY[word[-1]]
+        return f"@{start}.{CHAIN_LABELS[num_items - 1]}=", " ".join(items)
