@@ -1,8 +1,21 @@
 """Training the bundled model with the masked-diffusion objective, on CPU, resumably.
 
-Per example: t ~ U(eps, 1); every answer position is masked with probability t (the prompt never);
-loss = cross-entropy on the masked positions, weighted by 1/t, averaged over the answer positions of
-the batch (LLaDA's objective). Batches share one few-shot count, so they carry little padding.
+The answer is padded with EOS to a canvas whose length is drawn per batch (from one block to
+``max_gen_length``), as LLaDA's SFT pads its answers: the model learns to write the same answer,
+then EOS, whatever room the canvas leaves, which is what lets a server turn any ``max_tokens`` into a
+canvas without changing the answer.
+
+Each row is masked one of two ways:
+
+* *uniform* (LLaDA's objective): t ~ U(eps, 1); every canvas position is masked with probability t
+  (the prompt never); its masked positions' cross-entropy is weighted by 1/t;
+* *semi-autoregressive* (``semi_ar_share`` of the rows): a block length and a block are drawn; the
+  canvas before the block is clean, the block is masked with probability t (weighted 1/t), and
+  everything after it is masked (weight 1): the states that block-wise decoding actually visits,
+  a clean prefix and a fully masked suffix, which uniform masking of a long canvas almost never shows.
+
+The loss is averaged over the canvas positions of the batch. Batches share one few-shot count and one
+canvas length, so they carry little padding; ``chain_share`` of the batches hold the long family.
 """
 
 from __future__ import annotations
@@ -21,7 +34,15 @@ from tqdm import tqdm
 from services.worker.model import DLMConfig, DLMForMaskedDiffusion
 from services.worker.reference import reference_generate
 from services.worker.tokenizer import CharTokenizer
-from shared.tasks import Family, Problem, Split, TaskGenerator, check_answer
+from shared.tasks import (
+    CHAIN_MIN_ITEMS,
+    Family,
+    Problem,
+    Split,
+    TaskGenerator,
+    chain_answer_length,
+    check_answer,
+)
 
 MASK_EPS = 1e-3
 # Sums of two 3-digit numbers have at most 4 digits. The model writes them right-aligned in a field
@@ -40,10 +61,15 @@ class TrainConfig:
     lr: float = 1e-3
     warmup_steps: int = 200
     weight_decay: float = 0.01
-    gen_length: int = 16
-    block_length: int = 8
+    gen_length: int = 128  # the default canvas of requests that set no max_tokens (exported)
+    block_length: int = 8  # the default block length (exported)
+    max_gen_length: int = 128  # the longest canvas trained on: what the model card promises
     max_shots: int = 8
-    add_share: float = 0.5  # share of arithmetic queries (the rest: the word task)
+    add_share: float = 0.5  # share of arithmetic queries in short batches (the rest: the word task)
+    chain_share: float = 0.4  # share of batches holding the long family (chain)
+    semi_ar_share: float = 0.5  # share of rows masked semi-autoregressively (clean prefix, masked suffix)
+    # short batches' canvas: at most 32 with this probability, else up to max_gen_length (uniform)
+    short_canvas_share: float = 0.5
     # few-shot count k is drawn with weight shot_weights[k]: mostly short prompts (cheap), all seen
     shot_weights: list[float] = field(default_factory=lambda: [8, 4, 2, 1, 1, 1, 1, 1, 1])
     d_model: int = 192
@@ -58,6 +84,9 @@ class TrainConfig:
     # start from these weights (a model directory) with a fresh optimizer and schedule, when there is
     # no checkpoint to resume: how a later session continues from the shipped model alone
     init_from: str = ""
+
+
+SEMI_AR_BLOCK_LENGTHS = (4, 8, 16, 32)  # block lengths drawn for semi-autoregressive rows
 
 
 def target_ids(problem: Problem, tokenizer: CharTokenizer) -> list[int]:
@@ -88,14 +117,40 @@ def encode_batch(problems: list[Problem], tokenizer: CharTokenizer, gen_length: 
     return ids, attention, answer_region
 
 
-def diffusion_loss(model, ids, attention, answer_region, mask_id: int, generator: torch.Generator):
-    t = torch.rand(ids.shape[0], 1, generator=generator) * (1 - MASK_EPS) + MASK_EPS
-    masked = (torch.rand(ids.shape, generator=generator) < t) & answer_region
+def diffusion_loss(model, ids, attention, answer_region, mask_id: int, generator: torch.Generator,
+                   semi_ar_share: float = 0.0, answer_lengths: list[int] | None = None):
+    """The masked-diffusion loss of one batch (see the module docstring for the two masking modes).
+
+    ``answer_lengths``: tokens of each row's answer before its EOS padding (semi-AR rows draw their
+    block among those holding the answer and the one after it); default: the whole canvas.
+    """
+    batch, width = ids.shape
+    t = torch.rand(batch, 1, generator=generator) * (1 - MASK_EPS) + MASK_EPS
+    draws = torch.rand(ids.shape, generator=generator)
+    masked = (draws < t) & answer_region
+    weights = (1.0 / t).expand_as(ids).clone()
+    gen_length = int(answer_region[0].sum())
+    semi_ar = torch.rand(batch, generator=generator) < semi_ar_share
+    for row in torch.nonzero(semi_ar).flatten().tolist():
+        length = gen_length if answer_lengths is None else answer_lengths[row]
+        block_start, block_end = _semi_ar_block(gen_length, length, generator)
+        canvas_start = width - gen_length
+        masked[row, canvas_start : canvas_start + block_start] = False
+        masked[row, canvas_start + block_end :] = True
+        weights[row, canvas_start + block_end :] = 1.0
     noisy = torch.where(masked, torch.full_like(ids, mask_id), ids)
     logits = model(noisy, attention_mask=attention).logits
     token_loss = F.cross_entropy(logits[masked].float(), ids[masked], reduction="none")
-    weights = (1.0 / t).expand_as(ids)[masked]
-    return (token_loss * weights).sum() / answer_region.sum()
+    return (token_loss * weights[masked]).sum() / answer_region.sum()
+
+
+def _semi_ar_block(gen_length: int, answer_length: int, generator: torch.Generator) -> tuple[int, int]:
+    """Canvas bounds of the block a semi-AR row decodes: one holding the answer, or the one after it."""
+    block_length = SEMI_AR_BLOCK_LENGTHS[int(torch.randint(len(SEMI_AR_BLOCK_LENGTHS), (1,), generator=generator))]
+    num_blocks = -(-gen_length // block_length)
+    last = min(num_blocks - 1, answer_length // block_length + 1)
+    block = int(torch.randint(last + 1, (1,), generator=generator))
+    return block * block_length, min(gen_length, (block + 1) * block_length)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -105,17 +160,32 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
+# (name, family, canvas, block length) evaluated during training: the short families at the old
+# canvas and at the longest one (the answer must not change), the long family at its bench setting
+EVAL_SETTINGS: tuple[tuple[str, Family, int, int], ...] = (
+    ("add@16", Family.ADD, 16, 8), ("add@128", Family.ADD, 128, 8),
+    ("words@16", Family.WORDS, 16, 8), ("words@128", Family.WORDS, 128, 8),
+    ("chain@128", Family.CHAIN, 128, 16),
+)
+
+
 def evaluate(model, tokenizer, cfg: TrainConfig, threshold: float = 0.9, seed: int = 12345) -> dict:
-    """Exact match / validity and mean steps on held-out problems, reference decoder."""
+    """Validity / exact match and mean steps on held-out problems per setting, reference decoder."""
     model.eval()
-    problems = TaskGenerator(seed=seed).problems(cfg.eval_problems, max_shots=5, split=Split.HELD_OUT)
-    correct, steps = 0, 0
-    for p in problems:
-        result = reference_generate(model, tokenizer.encode(p.prompt), cfg.gen_length, cfg.block_length, threshold)
-        correct += check_answer(p, tokenizer.decode(result.tokens))
-        steps += result.num_steps
+    per_setting = {}
+    count = max(1, cfg.eval_problems // len(EVAL_SETTINGS))
+    for name, family, gen_length, block_length in EVAL_SETTINGS:
+        tasks = TaskGenerator(seed=seed)
+        problems = [tasks.problem(i % 6, Split.HELD_OUT, family) for i in range(count)]
+        correct, steps = 0, 0
+        for p in problems:
+            result = reference_generate(model, tokenizer.encode(p.prompt), gen_length, block_length, threshold)
+            correct += check_answer(p, tokenizer.decode(result.tokens))
+            steps += result.num_steps
+        per_setting[name] = {"accuracy": round(correct / count, 4), "mean_steps": round(steps / count, 2)}
     model.train()
-    return {"accuracy": correct / len(problems), "mean_steps": steps / len(problems), "threshold": threshold}
+    accuracy = sum(v["accuracy"] for v in per_setting.values()) / len(per_setting)
+    return {"accuracy": round(accuracy, 4), "threshold": threshold, "settings": per_setting}
 
 
 class Trainer:
@@ -146,6 +216,17 @@ class Trainer:
     def _task_generator(self, seed: int) -> TaskGenerator:
         share = self.cfg.add_share
         return TaskGenerator(seed=seed, family_weights={Family.ADD: share, Family.WORDS: 1 - share})
+
+    def _long_batch(self) -> bool:
+        """Whether the next batch holds the long family (``chain_share`` of them)."""
+        return self.rng.random() < self.cfg.chain_share
+
+    def _short_canvas(self, longest_answer: int) -> int:
+        """A canvas for short answers: at most 32 for ``short_canvas_share`` of them, else up to the max."""
+        top = self.cfg.max_gen_length
+        if self.rng.random() < self.cfg.short_canvas_share:
+            top = min(top, 32)
+        return self.rng.randint(longest_answer, top)
 
     def _model_config(self) -> DLMConfig:
         c, t = self.cfg, CharTokenizer()
@@ -196,14 +277,27 @@ class Trainer:
 
     def _batch(self):
         num_shots = self.rng.choices(range(self.cfg.max_shots + 1), weights=self.cfg.shot_weights)[0]
-        problems = [self.tasks.problem(num_shots, Split.TRAIN) for _ in range(self.cfg.batch_size)]
-        return encode_batch(problems, self.tokenizer, self.cfg.gen_length)
+        if self._long_batch():
+            # the canvas first, then chains that fit it: long answers at every canvas length they fit
+            gen_length = self.rng.randint(chain_answer_length(CHAIN_MIN_ITEMS) + 1, self.cfg.max_gen_length)
+            problems = []
+            while len(problems) < self.cfg.batch_size:
+                problem = self.tasks.problem(num_shots, Split.TRAIN, Family.CHAIN)
+                if len(target_ids(problem, self.tokenizer)) <= gen_length:
+                    problems.append(problem)
+            answer_lengths = [len(target_ids(p, self.tokenizer)) for p in problems]
+        else:
+            problems = [self.tasks.problem(num_shots, Split.TRAIN) for _ in range(self.cfg.batch_size)]
+            answer_lengths = [len(target_ids(p, self.tokenizer)) for p in problems]
+            gen_length = self._short_canvas(max(answer_lengths))
+        return (*encode_batch(problems, self.tokenizer, gen_length), answer_lengths)
 
     def train_step(self) -> float:
         for group in self.optimizer.param_groups:
             group["lr"] = lr_at(self.step, self.cfg)
-        ids, attention, region = self._batch()
-        loss = diffusion_loss(self.model, ids, attention, region, self.tokenizer.mask_token_id, self.generator)
+        ids, attention, region, answer_lengths = self._batch()
+        loss = diffusion_loss(self.model, ids, attention, region, self.tokenizer.mask_token_id, self.generator,
+                              self.cfg.semi_ar_share, answer_lengths)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
