@@ -137,6 +137,8 @@ class WorkerMetrics:
                                       buckets=STEP_BUCKETS_S, registry=r).labels(instance_id)
         self.tokens = Counter("dls_worker_tokens_committed", "canvas positions committed", labels,
                               registry=r).labels(instance_id)
+        self.blocks_skipped = Counter("dls_worker_blocks_skipped", "blocks left undecoded by early stop at EOS "
+                                      "(each saves one forward at least)", labels, registry=r).labels(instance_id)
         self.loads = Counter("dls_worker_state_loads", "request states loaded from Redis (migrations, restarts)",
                              labels, registry=r).labels(instance_id)
         self.resident = Gauge("dls_worker_resident_requests", "requests whose local copy it holds", labels,

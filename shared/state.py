@@ -32,6 +32,7 @@ from typing import Protocol, runtime_checkable
 
 import msgspec
 
+from shared.generation import Answer, answer_of
 from shared.messages.base import CacheMode, ConfidenceStats, StepKind
 
 DEFAULT_COMPLETED_TTL_S = 3600.0
@@ -60,6 +61,10 @@ class RequestStatus(IntEnum):
 class RequestRecord(msgspec.Struct, frozen=True, kw_only=True):
     """A request's durable state. Change it with ``msgspec.structs.replace`` and ``save`` it."""
 
+    def answer(self, eos_id: int | None) -> Answer:
+        """The answer of a finished canvas: up to the first EOS, cut at ``max_tokens``."""
+        return answer_of(self.canvas, eos_id, self.max_tokens, self.ignore_eos)
+
     request_id: str  # the request
     version: int = 0  # stored version this copy was read at (0: never stored)
     status: RequestStatus = RequestStatus.QUEUED  # lifecycle state (the scheduler owns transitions)
@@ -67,6 +72,8 @@ class RequestRecord(msgspec.Struct, frozen=True, kw_only=True):
     canvas: list[int]  # generation canvas: committed token ids, mask_token_id where not committed yet
     mask_token_id: int  # the id that marks an uncommitted canvas position
     gen_length: int  # canvas length
+    max_tokens: int | None = None  # the answer's cap (None: the canvas); see shared.generation
+    ignore_eos: bool = False  # decode the whole canvas instead of stopping at the block holding EOS
     block_length: int  # semi-autoregressive block length
     cache_mode: CacheMode = CacheMode.DUAL  # approximate KV cache
     current_block: int = 0  # the block being decoded (== number of blocks done)

@@ -29,8 +29,7 @@ def event_from_record(record: RequestRecord, codec) -> RequestEvent | None:
     """The terminal event a terminal ``record`` stands for; None while it is in flight."""
     if record.status == RequestStatus.FINISHED:
         eos = getattr(getattr(codec, "tokenizer", None), "eos_token_id", None)
-        canvas = list(record.canvas)
-        tokens = canvas[: canvas.index(eos)] if eos is not None and eos in canvas else canvas
+        tokens = record.answer(eos).token_ids
         latency = (record.finished_at or record.arrival_time) - record.arrival_time
         usage = Usage(prompt_tokens=len(record.prompt_token_ids), completion_tokens=len(tokens),
                       num_steps=record.num_steps, num_recompute_steps=record.num_recompute_steps,

@@ -350,7 +350,7 @@ class SchedulerService:
             request_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids or []),
             canvas=[self.mask_token_id] * request.gen_length, mask_token_id=self.mask_token_id,
             gen_length=request.gen_length, block_length=request.block_length, cache_mode=request.cache_mode,
-            arrival_time=request.arrival_time, deadline=request.deadline, slo_ms=request.slo_ms,
+            max_tokens=request.max_tokens, ignore_eos=request.ignore_eos, arrival_time=request.arrival_time, deadline=request.deadline, slo_ms=request.slo_ms,
             priority=request.priority, min_threshold=request.min_threshold, max_threshold=request.max_threshold,
             seed=request.seed, stream=request.stream, model=request.model or "", owner=request.owner,
             trace_context=trace_context,

@@ -19,6 +19,10 @@ Approximate KV cache (Fast-dLLM):
 * ``dual``: as ``prefix``, but later steps run only the block, attending to the cached prefix *and*
   the stale cached suffix.
 
+Early stop: a request stops at the first block that completes an EOS (the rest of its canvas becomes
+EOS padding, never decoded), in every cache mode, unless it asked to ``ignore_eos``; the step that
+stops it reports the blocks it skipped (each would have cost one forward at least).
+
 Attention over keys is order-free once RoPE is applied at absolute positions, so a cache step's keys
 are simply ``cached slots outside the fresh window`` followed by the fresh tokens' keys.
 """
@@ -33,6 +37,7 @@ from pathlib import Path
 import torch
 
 from services.worker.model import DLMForMaskedDiffusion
+from shared.generation import Answer, answer_of, canvas_length
 
 
 class EngineError(ValueError):
@@ -61,6 +66,7 @@ class RequestState:
     cache_mode: CacheMode = CacheMode.DUAL
     num_steps: int = 0
     finished: bool = False
+    ignore_eos: bool = False  # decode the whole canvas (benchmarks); otherwise stop at the EOS block
 
     @property
     def gen_length(self) -> int:
@@ -115,6 +121,7 @@ class StepResult:
     # every position masked before this step: its top probability, in position order (what the
     # commit rule compared with the threshold; the simulator's replay derives other thresholds' commits)
     masked_confidences: tuple[float, ...] = ()
+    blocks_skipped: int = 0  # blocks left undecoded because this step completed one holding an EOS
 
 
 @dataclass
@@ -123,6 +130,8 @@ class GenerationResult:
     tokens: list[int]
     num_steps: int
     step_kinds: list[StepKind] = field(default_factory=list)
+    finish_reason: str = "stop"  # "stop" (an EOS within max_tokens) or "length"
+    blocks_skipped: int = 0  # blocks early stop saved
 
 
 @dataclass
@@ -155,6 +164,7 @@ class DLMEngine:
         default_block_length: int = 32,
         stop_at_eos: bool = True,
         name: str = "model",
+        max_gen_length: int | None = None,
     ) -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer
@@ -162,6 +172,7 @@ class DLMEngine:
         self.default_block_length = default_block_length
         self.stop_at_eos = stop_at_eos
         self.name = name
+        self.max_gen_length = max_gen_length  # longest canvas the model answers the same at (None: any)
         self.mask_id = model.config.mask_token_id
         self.eos_id = model.config.eos_token_id
         self.shift = int(getattr(model.config, "logits_shift", 0))
@@ -173,7 +184,8 @@ class DLMEngine:
 
         loaded = load_model(directory, device=device)
         return cls(
-            loaded.model, loaded.tokenizer, loaded.gen_length, loaded.block_length, name=loaded.name, **kwargs
+            loaded.model, loaded.tokenizer, loaded.gen_length, loaded.block_length, name=loaded.name,
+            max_gen_length=loaded.limits.max_gen_length, **kwargs,
         )
 
     # --- requests -------------------------------------------------------------------------------
@@ -185,6 +197,7 @@ class DLMEngine:
         gen_length: int | None = None,
         block_length: int | None = None,
         cache_mode: CacheMode = CacheMode.DUAL,
+        ignore_eos: bool = False,
     ) -> RequestState:
         gen_length = gen_length or self.default_gen_length
         block_length = block_length or self.default_block_length
@@ -195,7 +208,8 @@ class DLMEngine:
         limit = self.model.config.max_sequence_length
         if len(prompt_ids) + gen_length > limit:
             raise EngineError(f"prompt ({len(prompt_ids)}) plus gen_length ({gen_length}) exceeds {limit} tokens")
-        return RequestState(request_id, list(prompt_ids), [self.mask_id] * gen_length, block_length, cache_mode)
+        return RequestState(request_id, list(prompt_ids), [self.mask_id] * gen_length, block_length, cache_mode,
+                            ignore_eos=ignore_eos)
 
     def drop(self, request_id: str) -> None:
         """Forget a request's cache (it finished, or moved to another instance)."""
@@ -306,20 +320,31 @@ class DLMEngine:
             state.canvas[pos] = tok
         state.num_steps += 1
         remaining = [float(conf[j]) for j in range(len(masked)) if not chosen[j]]
-        self._finish_if_done(state, start, end)
+        skipped = self._finish_if_done(state, start, end)
         return StepResult(
             state.request_id, item.kind, item.block, [p for p, _ in committed], [t for _, t in committed],
             state.finished, state.num_steps, state.canvas.count(self.mask_id), ConfidenceStats.of(remaining),
-            item.threshold, tuple(conf.tolist()),
+            item.threshold, tuple(conf.tolist()), skipped,
         )
 
-    def _finish_if_done(self, state: RequestState, block_start: int, block_end: int) -> None:
+    def _finish_if_done(self, state: RequestState, block_start: int, block_end: int) -> int:
+        """Finish ``state`` if its canvas is done, or its block completed an EOS; the blocks skipped."""
         block_done = self.mask_id not in state.canvas[block_start:block_end]
-        if block_done and self.stop_at_eos and self.eos_id in state.canvas[:block_end]:
+        skipped = 0
+        if block_done and self.stops_at_eos(state) and self.eos_id in state.canvas[:block_end]:
+            skipped = state.num_blocks - 1 - block_start // state.block_length
             state.canvas[block_end:] = [self.eos_id] * (state.gen_length - block_end)
         if self.mask_id not in state.canvas:
             state.finished = True
             self.drop(state.request_id)
+        return skipped
+
+    def stops_at_eos(self, state: RequestState) -> bool:
+        return self.stop_at_eos and not state.ignore_eos
+
+    def answer(self, state: RequestState, max_tokens: int | None = None) -> Answer:
+        """The answer of a finished request, cut at ``max_tokens`` (see ``shared.generation``)."""
+        return answer_of(state.canvas, self.eos_id, max_tokens, not self.stops_at_eos(state))
 
     # --- conveniences ---------------------------------------------------------------------------
 
@@ -352,12 +377,22 @@ class DLMEngine:
         block_length: int | None = None,
         cache: CacheMode = CacheMode.DUAL,
         on_step: Callable[[str], None] | None = None,
+        max_tokens: int | None = None,
+        ignore_eos: bool = False,
     ) -> GenerationResult:
-        state = self.new_request("generate", self.encode(prompt), gen_length, block_length, cache)
-        kinds = []
+        """Denoise one prompt. ``max_tokens`` caps the answer and sets the canvas as a server does
+        (rounded up to the block, at most the model's longest canvas) unless ``gen_length`` is given."""
+        block_length = block_length or self.default_block_length
+        if gen_length is None and max_tokens is not None:
+            gen_length = canvas_length(max_tokens, block_length, self.max_gen_length or max_tokens + block_length)
+        state = self.new_request("generate", self.encode(prompt), gen_length, block_length, cache, ignore_eos)
+        kinds, skipped = [], 0
         while not state.finished:
-            kinds.append(self.step([(state, threshold)])[0].kind)
+            result = self.step([(state, threshold)])[0]
+            kinds.append(result.kind)
+            skipped += result.blocks_skipped
             if on_step is not None:
                 on_step(self.tokenizer.decode(state.canvas, stop_at_eos=False).replace("\n", "\\n"))
-        return GenerationResult(self.decode(state.canvas), state.canvas, state.num_steps, kinds)
-
+        answer = self.answer(state, max_tokens)
+        return GenerationResult(self.decode(answer.token_ids), state.canvas, state.num_steps, kinds,
+                                answer.finish_reason, skipped)

@@ -22,6 +22,7 @@ import torch
 
 from services.worker.model import DLMConfig, DLMForMaskedDiffusion
 from services.worker.tokenizer import TOKENIZER_FILE, CharTokenizer
+from shared.generation import GenerationLimits, read_generation_limits
 
 LLADA_MASK_ID = 126336
 DREAM_MASK_ID = 151666
@@ -35,10 +36,17 @@ class CheckpointError(ValueError):
 class LoadedModel:
     model: DLMForMaskedDiffusion
     tokenizer: object | None
-    gen_length: int
-    block_length: int
+    limits: GenerationLimits  # default canvas and block, longest canvas
     name: str
     family: str  # "dls", "llada" or "dream"
+
+    @property
+    def gen_length(self) -> int:
+        return self.limits.gen_length
+
+    @property
+    def block_length(self) -> int:
+        return self.limits.block_length
 
 
 def load_model(directory: str | Path, device: str = "cpu", dtype: torch.dtype | None = None) -> LoadedModel:
@@ -83,16 +91,14 @@ def _load_bundled(directory: Path) -> LoadedModel:
     except (OSError, RuntimeError, ValueError) as exc:
         raise CheckpointError(f"{directory}: cannot load weights ({exc})") from None
     tokenizer = CharTokenizer.from_pretrained(directory) if (directory / TOKENIZER_FILE).exists() else None
-    gen_length, block_length = _generation_defaults(directory, 16, 8)
-    return LoadedModel(model, tokenizer, gen_length, block_length, directory.name, "dls")
+    return LoadedModel(model, tokenizer, _limits(directory), directory.name, "dls")
 
 
-def _generation_defaults(directory: Path, gen_length: int, block_length: int) -> tuple[int, int]:
-    info = directory / "training_info.json"
-    if info.exists():
-        train = json.loads(info.read_text()).get("train_config", {})
-        return int(train.get("gen_length", gen_length)), int(train.get("block_length", block_length))
-    return gen_length, block_length
+def _limits(directory: Path) -> GenerationLimits:
+    try:
+        return read_generation_limits(directory)
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from None
 
 
 def _require(raw: dict, key: str, directory: Path, alternatives: tuple[str, ...] = ()):
@@ -206,7 +212,7 @@ def _load_foreign(directory: Path, config: DLMConfig, rename, family: str) -> Lo
     model = model.to_empty(device="cpu")
     model.load_state_dict({k: tensors[k] for k in expected}, strict=True)
     model.to(next(iter(tensors.values())).dtype)
-    return LoadedModel(model, _foreign_tokenizer(directory), 256, 32, directory.name, family)
+    return LoadedModel(model, _foreign_tokenizer(directory), _limits(directory), directory.name, family)
 
 
 def _check_tensors(directory: Path, expected: dict, tensors: dict) -> None:

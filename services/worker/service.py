@@ -37,6 +37,7 @@ import msgspec
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
+from shared.generation import answer_of
 from shared.messages import codec
 from shared.messages.base import ConfidenceStats as WireConfidence
 from shared.messages.base import StepKind as WireStepKind
@@ -367,7 +368,7 @@ class WorkerService:
                 committed_token_ids=list(outcome.committed_token_ids), block_done=block_done or outcome.finished,
                 finished=outcome.finished, num_steps=stored.num_steps, num_masked=outcome.num_masked,
                 confidence=_wire_confidence(outcome.confidence), threshold=item.threshold,
-                state_version=stored.version,
+                state_version=stored.version, blocks_skipped=outcome.blocks_skipped,
             ))
             self._trace_request_step(stored, item, outcome, len(batch), item.request_id in loaded, started,
                                      duration)
@@ -382,6 +383,7 @@ class WorkerService:
             self.metrics.batch_size.observe(len(batch))
             self.metrics.step_seconds.observe(duration)
             self.metrics.tokens.inc(sum(len(o.committed_positions) for o in outcomes))
+            self.metrics.blocks_skipped.inc(sum(o.blocks_skipped for o in outcomes))
         self.metrics.loads.inc(len(loaded))
         return StepResults(
             instance_id=self.instance_id, step_id=command.step_id, results=results, failures=failures,
@@ -439,7 +441,7 @@ class WorkerService:
 
         return RequestState(
             record.request_id, list(record.prompt_token_ids), list(record.canvas), record.block_length,
-            CacheMode(record.cache_mode.value), num_steps=record.num_steps,
+            CacheMode(record.cache_mode.value), num_steps=record.num_steps, ignore_eos=record.ignore_eos,
         )
 
     def _advance(self, record: RequestRecord, outcome, item: StepItem, now: float) -> RequestRecord:
@@ -458,9 +460,8 @@ class WorkerService:
             status=RequestStatus.RUNNING,
         )
         if outcome.finished:
-            eos = self.engine.eos_id
-            changes.update(status=RequestStatus.FINISHED, finished_at=now,
-                           finish_reason="stop" if eos in state.canvas else "length")
+            answer = answer_of(state.canvas, self.engine.eos_id, record.max_tokens, record.ignore_eos)
+            changes.update(status=RequestStatus.FINISHED, finished_at=now, finish_reason=answer.finish_reason)
         return msgspec.structs.replace(record, **changes)
 
     async def _pace(self, t0: float, outcomes, states) -> None:
@@ -499,7 +500,7 @@ class WorkerService:
             )
             await self.nc.publish(subject, codec.encode(progress, limit))
         if outcome.finished:
-            tokens = _answer_tokens(record.canvas, self.engine.eos_id)
+            tokens = record.answer(self.engine.eos_id).token_ids
             latency = (record.finished_at or self.clock()) - record.arrival_time
             usage = Usage(
                 prompt_tokens=len(record.prompt_token_ids), completion_tokens=len(tokens),
@@ -522,10 +523,6 @@ def _current_block(state, mask_id: int) -> int:
     if mask_id not in state.canvas:
         return state.num_blocks
     return state.canvas.index(mask_id) // state.block_length
-
-
-def _answer_tokens(canvas: list[int], eos_id: int) -> list[int]:
-    return canvas[: canvas.index(eos_id)] if eos_id in canvas else list(canvas)
 
 
 def _load_problem(item: StepItem, record: RequestRecord | None) -> str:

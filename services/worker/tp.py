@@ -175,7 +175,7 @@ def _load_shard(spec: _RankSpec, rank: int) -> tuple[DLMEngine, DLMForMaskedDiff
     shard_model(loaded.model, rank, spec.degree)
     model = loaded.model.to(spec.rank_device(rank))
     engine = DLMEngine(model, loaded.tokenizer, loaded.gen_length, loaded.block_length,
-                       stop_at_eos=spec.stop_at_eos, name=loaded.name)
+                       stop_at_eos=spec.stop_at_eos, name=loaded.name, max_gen_length=loaded.limits.max_gen_length)
     return engine, model
 
 
@@ -433,8 +433,9 @@ class TensorParallelEngine:
         gen_length: int | None = None,
         block_length: int | None = None,
         cache_mode: CacheMode = CacheMode.DUAL,
+        ignore_eos: bool = False,
     ) -> RequestState:
-        return self._engine.new_request(request_id, prompt_ids, gen_length, block_length, cache_mode)
+        return self._engine.new_request(request_id, prompt_ids, gen_length, block_length, cache_mode, ignore_eos)
 
     def encode(self, text: str) -> list[int]:
         return self._engine.encode(text)
@@ -445,6 +446,8 @@ class TensorParallelEngine:
     # These only call step/new_request/encode/decode, so DLMEngine's own versions run on all ranks here.
     run_to_completion = DLMEngine.run_to_completion
     generate = DLMEngine.generate
+    stops_at_eos = DLMEngine.stops_at_eos
+    answer = DLMEngine.answer
 
     @property
     def tokenizer(self):
@@ -469,6 +472,10 @@ class TensorParallelEngine:
     @property
     def stop_at_eos(self) -> bool:
         return self._engine.stop_at_eos
+
+    @property
+    def max_gen_length(self) -> int | None:
+        return self._engine.max_gen_length
 
     @property
     def name(self) -> str:
@@ -535,5 +542,5 @@ def make_engine(
     if tp == 1:
         loaded = load_model(model_dir, device=device, dtype=dtype)
         return DLMEngine(loaded.model, loaded.tokenizer, loaded.gen_length, loaded.block_length,
-                         stop_at_eos=stop_at_eos, name=loaded.name)
+                         stop_at_eos=stop_at_eos, name=loaded.name, max_gen_length=loaded.limits.max_gen_length)
     return TensorParallelEngine(model_dir, tp, device, dtype, stop_at_eos, **tp_options)

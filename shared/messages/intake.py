@@ -15,7 +15,9 @@ class CompletionRequest(Message, kw_only=True):
     request_id: str  # unique id, also the JetStream dedupe id and the events subject token
     prompt_token_ids: list[int] | None = None  # the tokenized prompt; None: tokenize prompt_text
     prompt_text: str | None = None  # the prompt as text, when the gateway did not tokenize it
-    gen_length: int  # generation canvas length in tokens (the API's max_tokens)
+    gen_length: int  # generation canvas length in tokens (max_tokens rounded up to blocks; shared.generation)
+    max_tokens: int | None = None  # the answer's cap (None: the canvas); finish_reason "length" when reached
+    ignore_eos: bool = False  # decode the whole canvas instead of stopping at the block holding EOS
     block_length: int  # semi-autoregressive block length in tokens
     cache_mode: CacheMode = CacheMode.DUAL  # approximate KV cache the engine uses
     slo_ms: float  # latency SLO in milliseconds, counted from arrival_time

@@ -69,6 +69,7 @@ class RequestStepResult(Part, kw_only=True):
     confidence: ConfidenceStats  # confidences of the current block's still-masked positions
     threshold: float  # the threshold the step ran at
     state_version: int  # version of the request's Redis state after the worker's write
+    blocks_skipped: int = 0  # blocks left undecoded because this step completed one holding an EOS
 
 
 class StepResults(Message, kw_only=True):
