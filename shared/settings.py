@@ -67,11 +67,18 @@ class GatewaySettings(ServiceSettings):
                                           "max_tokens of requests that set none; unset: the model's")
     default_block_length: int | None = _own("gateway", "default_block_length", None,
                                             "block length of requests that set none; unset: the model's")
-    max_gen_length: int = _own("gateway", "max_gen_length", 4096, "largest max_tokens accepted", gt=0)
+    max_gen_length: int = _own("gateway", "max_gen_length", 4096,
+                               "longest canvas a request gets (the model's own longest also applies); a larger "
+                               "max_tokens is capped, not refused", gt=0)
     request_timeout_s: float = _own("gateway", "request_timeout_s", 300.0,
                                     "give up waiting for a request's final event after this long", gt=0)
     model_dir: str = _own("gateway", "model_dir", "models/dls-tiny",
                           "served model's directory (tokenizer, config, predictor); its basename is the model name")
+    chat_template: str = _own("gateway", "chat_template", "",
+                              "chat template (Jinja) to use instead of the model's: a file path or the template "
+                              "itself; empty: the tokenizer's own")
+    trust_remote_code: bool = _own("gateway", "trust_remote_code", False,
+                                   "let transformers run the tokenizer code a checkpoint ships (Dream needs it)")
     profile: str = _own("gateway", "profile", "profiles/dls-tiny-cpu.json",
                         "step-latency profile for default SLOs (TP-1 latency at batch 1)")
     profile_scale: float = _own("gateway", "profile_scale", 1.0,

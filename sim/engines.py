@@ -78,7 +78,7 @@ class SimEngine(Protocol):
 
 
 def _char_tokenizer(model_dir: str | Path):
-    from services.worker.tokenizer import CharTokenizer
+    from shared.tokenizer import CharTokenizer
 
     return CharTokenizer.from_pretrained(Path(model_dir))
 

@@ -117,7 +117,7 @@ def setup(
 
 
 def _mean_context(model_dir: str, num_shots: int, gen_len: int) -> float:
-    from services.worker.tokenizer import CharTokenizer
+    from shared.tokenizer import CharTokenizer
 
     tokenizer = CharTokenizer.from_pretrained(Path(model_dir))
     tasks = TaskGenerator(seed=999)

@@ -137,7 +137,8 @@ class StreamFormatter:
 
 def model_card(model: ServedModel) -> ModelCard:
     return ModelCard(id=model.name, created=model.created, max_sequence_length=model.max_sequence_length,
-                     default_max_tokens=model.default_gen_length, default_block_length=model.default_block_length)
+                     max_model_len=model.max_sequence_length, default_max_tokens=model.default_gen_length,
+                     default_block_length=model.default_block_length, max_canvas=model.limits.max_gen_length)
 
 
 def request_info(record: RequestRecord, steps: Sequence[StepRecord], codec: TextCodec) -> RequestInfo:

@@ -313,7 +313,8 @@ def create_app(settings: GatewaySettings, bus: Bus | None = None,
     """The gateway app; ``bus``: a started ``Bus`` owned by the caller, or None for a ``GatewayBus``;
     ``rate_limiter``: a started one owned by the caller, or None for one on ``DLS_REDIS_URL`` when
     ``DLS_GATEWAY_RATE_LIMIT_PER_MIN`` is set."""
-    model = load_served_model(settings.model_dir, settings.default_gen_length, settings.default_block_length)
+    model = load_served_model(settings.model_dir, settings.default_gen_length, settings.default_block_length,
+                              settings.chat_template, settings.trust_remote_code)
     estimator = load_slo_estimator(model.directory, settings.profile, settings.default_slo_factor,
                                    settings.min_default_slo_ms, settings.profile_scale)
     own_bus = GatewayBus(settings) if bus is None else None

@@ -2,14 +2,16 @@
 
 The gateway tokenizes, so it loads the served model's tokenizer, never its weights (and never torch):
 
-* the bundled format (``tokenizer.json`` of ``services.worker.tokenizer.CharTokenizer``): one token per
-  character, no chat template (chat messages are joined with newlines);
-* any other directory: ``transformers.AutoTokenizer`` (LLaDA, Dream), with its chat template if it
-  has one.
+* the bundled format (``tokenizer.json`` of ``shared.tokenizer.CharTokenizer``): one token per
+  character, with a chat template that renders a conversation as the model's few-shot prompt;
+* any other directory: ``transformers.AutoTokenizer`` (LLaDA, Dream; ``trust_remote_code`` when the
+  settings allow it), with its chat template.
 
-The model's name is its directory's basename (what workers put in their heartbeats). ``config.json``
-gives ``max_sequence_length`` (or ``max_position_embeddings``) and the mask id;
-``training_info.json`` (``train_config.gen_length`` / ``block_length``) the generation defaults.
+``DLS_GATEWAY_CHAT_TEMPLATE`` replaces the model's template; a model with neither answers chat with a
+400 that says so (joining messages some other way would ask the model something it was not trained
+on). The model's name is its directory's basename (what workers put in their heartbeats).
+``config.json`` gives ``max_sequence_length`` (or ``max_position_embeddings``) and the mask id;
+``shared.generation.read_generation_limits`` the default canvas and block and the longest canvas.
 """
 
 from __future__ import annotations
@@ -21,12 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from services.worker.tokenizer import TOKENIZER_FILE, CharTokenizer, TokenizerError
+from shared.generation import GenerationLimits, read_generation_limits
+from shared.tokenizer import TOKENIZER_FILE, CharTokenizer, TokenizerError, render_chat_template
 
 logger = logging.getLogger(__name__)
 
-FALLBACK_GEN_LENGTH = 256  # max_tokens when neither the settings nor the model say
-FALLBACK_BLOCK_LENGTH = 32  # block length when neither the settings nor the model say
 FALLBACK_MAX_SEQUENCE_LENGTH = 4096  # context limit of a config that names none
 MASK_CHAR = "_"  # how an uncommitted canvas position is shown
 
@@ -68,16 +69,18 @@ class TextCodec(Protocol):
         ...
 
     def chat_prompt(self, messages: Sequence[tuple[str, str]]) -> tuple[str, bool]:
-        """(prompt text, whether it already holds the special tokens) for (role, content) messages."""
+        """(prompt text, whether it already holds the special tokens) for (role, content) messages;
+        ``TokenizerError`` when there is no chat template or it does not render."""
         ...
 
 
 class CharCodec:
     """The bundled character-level tokenizer."""
 
-    def __init__(self, tokenizer: CharTokenizer) -> None:
+    def __init__(self, tokenizer: CharTokenizer, chat_template: str | None = None) -> None:
         self.tokenizer = tokenizer
         self.mask_token_id = tokenizer.mask_token_id
+        self.chat_template = chat_template  # overrides the tokenizer's own
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text)
@@ -89,15 +92,17 @@ class CharCodec:
         return self.tokenizer.decode(list(token_ids), stop_at_eos=False)  # the mask decodes as "_"
 
     def chat_prompt(self, messages: Sequence[tuple[str, str]]) -> tuple[str, bool]:
-        return "\n".join(content for _, content in messages), False  # no chat template
+        conversation = [{"role": role, "content": content} for role, content in messages]
+        return self.tokenizer.apply_chat_template(conversation, self.chat_template), False
 
 
 class HfCodec:
     """A Hugging Face tokenizer (``AutoTokenizer``), for LLaDA / Dream directories."""
 
-    def __init__(self, tokenizer, mask_token_id: int) -> None:
+    def __init__(self, tokenizer, mask_token_id: int, chat_template: str | None = None) -> None:
         self.tokenizer = tokenizer
         self.mask_token_id = mask_token_id
+        self.chat_template = chat_template or getattr(tokenizer, "chat_template", None)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         try:
@@ -125,11 +130,12 @@ class HfCodec:
         return "".join(parts)
 
     def chat_prompt(self, messages: Sequence[tuple[str, str]]) -> tuple[str, bool]:
-        if not getattr(self.tokenizer, "chat_template", None):
-            return "\n".join(content for _, content in messages), False
+        if not self.chat_template:
+            raise TokenizerError("the model's tokenizer has no chat template: set DLS_GATEWAY_CHAT_TEMPLATE, "
+                                 "or use /v1/completions")
         conversation = [{"role": role, "content": content} for role, content in messages]
-        text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
-        return text, True
+        special = {name: getattr(self.tokenizer, name, None) for name in ("bos_token", "eos_token")}
+        return render_chat_template(self.chat_template, conversation, **special), True
 
 
 @dataclass(frozen=True)
@@ -140,9 +146,16 @@ class ServedModel:
     directory: Path  # where it was loaded from
     codec: TextCodec  # its tokenizer
     max_sequence_length: int  # prompt plus generation must fit in this many tokens
-    default_gen_length: int  # max_tokens of requests that set none
-    default_block_length: int  # block length of requests that set none
+    limits: GenerationLimits  # default canvas (max_tokens of requests that set none) and block, longest canvas
     created: int  # unix time (s) of its config (the API's ``created``)
+
+    @property
+    def default_gen_length(self) -> int:
+        return self.limits.gen_length
+
+    @property
+    def default_block_length(self) -> int:
+        return self.limits.block_length
 
 
 class ModelCatalogue:
@@ -163,23 +176,46 @@ class ModelCatalogue:
 
 
 def load_served_model(model_dir: str | Path, default_gen_length: int | None = None,
-                      default_block_length: int | None = None) -> ServedModel:
-    """Tokenizer, limits and defaults of ``model_dir``; settings' defaults win over the model's."""
+                      default_block_length: int | None = None, chat_template: str = "",
+                      trust_remote_code: bool = False) -> ServedModel:
+    """Tokenizer, limits and defaults of ``model_dir``; settings' defaults win over the model's.
+
+    ``chat_template``: a file path or a Jinja template replacing the tokenizer's own ("": keep it).
+    """
     directory = Path(model_dir)
     if not directory.is_dir():
         raise ModelLoadError(f"{directory}: model directory does not exist")
     config = _read_json(directory / "config.json", required=True)
-    gen_length, block_length = _generation_defaults(directory)
-    codec = _load_codec(directory, config)
+    try:
+        limits = read_generation_limits(directory)
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from None
+    limits = limits._replace(gen_length=default_gen_length or limits.gen_length,
+                             block_length=default_block_length or limits.block_length)
+    codec = _load_codec(directory, config, _template_text(chat_template), trust_remote_code)
     return ServedModel(
         name=directory.name or directory.resolve().name,  # as the workers name it (no symlink resolving)
         directory=directory,
         codec=codec,
         max_sequence_length=_max_sequence_length(config, directory),
-        default_gen_length=default_gen_length or gen_length,
-        default_block_length=default_block_length or block_length,
+        limits=limits,
         created=int((directory / "config.json").stat().st_mtime),
     )
+
+
+def _template_text(setting: str) -> str | None:
+    """The template a setting names: a readable file's text, else the setting itself (None if empty)."""
+    if not setting:
+        return None
+    path = Path(setting)
+    try:
+        if path.is_file():
+            return path.read_text()
+    except OSError as exc:
+        raise ModelLoadError(f"DLS_GATEWAY_CHAT_TEMPLATE: cannot read {path} ({exc})") from None
+    if "{" not in setting:  # neither a file nor a template: most likely a mistyped path
+        raise ModelLoadError(f"DLS_GATEWAY_CHAT_TEMPLATE: {setting!r} is not a file, nor a Jinja template")
+    return setting
 
 
 def _read_json(path: Path, required: bool) -> dict:
@@ -207,28 +243,16 @@ def _max_sequence_length(config: dict, directory: Path) -> int:
     return FALLBACK_MAX_SEQUENCE_LENGTH
 
 
-def _generation_defaults(directory: Path) -> tuple[int, int]:
-    train = _read_json(directory / "training_info.json", required=False).get("train_config", {})
-    try:
-        gen_length = int(train.get("gen_length", FALLBACK_GEN_LENGTH))
-        block_length = int(train.get("block_length", FALLBACK_BLOCK_LENGTH))
-    except (TypeError, ValueError) as exc:
-        raise ModelLoadError(f"{directory / 'training_info.json'}: bad train_config lengths ({exc})") from None
-    if gen_length < 1 or block_length < 1:
-        raise ModelLoadError(f"{directory / 'training_info.json'}: train_config lengths must be positive")
-    return gen_length, block_length
-
-
-def _load_codec(directory: Path, config: dict) -> TextCodec:
+def _load_codec(directory: Path, config: dict, chat_template: str | None, trust_remote_code: bool) -> TextCodec:
     if (directory / TOKENIZER_FILE).exists() and _is_char_tokenizer(directory / TOKENIZER_FILE):
         try:
-            return CharCodec(CharTokenizer.from_pretrained(directory))
+            return CharCodec(CharTokenizer.from_pretrained(directory), chat_template)
         except TokenizerError as exc:
             raise ModelLoadError(str(exc)) from None
     try:
         from transformers import AutoTokenizer  # only for foreign checkpoints: it is a heavy import
 
-        tokenizer = AutoTokenizer.from_pretrained(str(directory), trust_remote_code=False)
+        tokenizer = AutoTokenizer.from_pretrained(str(directory), trust_remote_code=trust_remote_code)
     except Exception as exc:  # noqa: BLE001 - transformers raises many kinds here
         raise ModelLoadError(f"{directory}: no usable tokenizer ({type(exc).__name__}: {exc})") from None
     mask_id = config.get("mask_token_id",
@@ -236,7 +260,7 @@ def _load_codec(directory: Path, config: dict) -> TextCodec:
                                                      getattr(tokenizer, "mask_token_id", None)))
     if mask_id is None:
         raise ModelLoadError(f"{directory / 'config.json'}: no mask_token_id, and the tokenizer has no mask token")
-    return HfCodec(tokenizer, int(mask_id))
+    return HfCodec(tokenizer, int(mask_id), chat_template)
 
 
 def _is_char_tokenizer(path: Path) -> bool:

@@ -1,9 +1,11 @@
 """From a validated HTTP body to the ``CompletionRequest`` the scheduler gets (pure: clock and id passed in).
 
-Tokenizes the prompt, fills in the defaults (generation and block length from the settings or the
-model, the SLO from the ``SloEstimator``), and checks what the schema cannot: ``max_tokens`` against
-the gateway's limit, prompt plus generation against the model's context, text the tokenizer cannot
-encode, the number of chat messages. Every refusal is an ``ApiError`` naming the field.
+Tokenizes the prompt (chat through the model's template), fills in the defaults (block length from
+the settings or the model, the SLO from the ``SloEstimator``), turns ``max_tokens`` into a canvas
+(``shared.generation``: rounded up to the block, at most the model's longest canvas and
+``DLS_GATEWAY_MAX_GEN_LENGTH``; the request carries the cap itself so the answer is cut there), and
+checks what the schema cannot: prompt plus canvas against the model's context, text the tokenizer
+cannot encode, the number of chat messages. Every refusal is an ``ApiError`` naming the field.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from services.gateway.errors import ApiError, invalid
 from services.gateway.models import ModelCatalogue, ServedModel, UnknownModelError
 from services.gateway.schemas import ChatCompletionBody, CompletionBody
 from services.gateway.slo import SloEstimator
-from services.worker.tokenizer import TokenizerError
+from shared.tokenizer import TokenizerError
 from shared.messages.base import CacheMode
 from shared.messages.intake import CompletionRequest
 from shared.settings import GatewaySettings
@@ -67,17 +69,18 @@ class RequestPreparer:
         prompt_field = "messages" if chat else "prompt"
         prompt_text, templated = self._prompt_text(body, model)
         prompt_ids = self._encode(model, prompt_text, prompt_field, add_special_tokens=not templated)
-        gen_length = self._gen_length(body, model)
-        block_length = min(body.block_length or model.default_block_length, gen_length)
+        block_length = body.block_length or model.default_block_length
+        gen_length = model.limits.canvas(body.answer_cap, block_length, self.settings.max_gen_length)
+        block_length = min(block_length, gen_length)
         if len(prompt_ids) + gen_length > model.max_sequence_length:
-            raise invalid(prompt_field, f"{prompt_field} ({len(prompt_ids)} tokens) plus max_tokens ({gen_length}) "
-                          f"exceeds the model's context of {model.max_sequence_length} tokens",
-                          "context_length_exceeded")
+            raise invalid(prompt_field, f"{prompt_field} ({len(prompt_ids)} tokens) plus the canvas ({gen_length} "
+                          f"tokens, from max_tokens) exceeds the model's context of {model.max_sequence_length} "
+                          "tokens", "context_length_exceeded")
         cache_mode = CacheMode(body.cache)
         slo_ms = body.slo_ms or self._default_slo_ms(len(prompt_ids), gen_length, block_length, cache_mode)
         request = CompletionRequest(
             request_id=request_id, prompt_token_ids=prompt_ids, gen_length=gen_length, block_length=block_length,
-            cache_mode=cache_mode, slo_ms=slo_ms, min_threshold=body.min_threshold, priority=body.priority,
+            max_tokens=body.answer_cap, ignore_eos=body.ignore_eos, cache_mode=cache_mode, slo_ms=slo_ms, min_threshold=body.min_threshold, priority=body.priority,
             seed=body.seed, arrival_time=now, stream=body.stream, model=model.name,
         )
         return PreparedRequest(request, model, prompt_text, chat, body.stream and body.include_progress)
@@ -88,7 +91,10 @@ class RequestPreparer:
         if len(body.messages) > self.settings.max_messages:
             raise invalid("messages", f"messages: {len(body.messages)} messages, at most "
                           f"{self.settings.max_messages} allowed", "too_many_messages")
-        return model.codec.chat_prompt([(m.role, m.content) for m in body.messages])
+        try:
+            return model.codec.chat_prompt([(m.template_role, m.text) for m in body.messages])
+        except TokenizerError as exc:
+            raise invalid("messages", f"messages: {exc}", "chat_template") from None
 
     @staticmethod
     def _encode(model: ServedModel, text: str, field: str, add_special_tokens: bool) -> list[int]:
@@ -100,14 +106,6 @@ class RequestPreparer:
         if not ids:
             raise invalid(field, f"{field} is empty after tokenization", "empty_prompt")
         return ids
-
-    def _gen_length(self, body: CompletionBody | ChatCompletionBody, model: ServedModel) -> int:
-        if body.max_tokens is None:
-            return min(model.default_gen_length, self.settings.max_gen_length)
-        if body.max_tokens > self.settings.max_gen_length:
-            raise invalid("max_tokens", f"max_tokens {body.max_tokens} is above the limit of "
-                          f"{self.settings.max_gen_length}")
-        return body.max_tokens
 
     def _default_slo_ms(self, prompt_length: int, gen_length: int, block_length: int, cache_mode: CacheMode) -> float:
         if self.estimator is not None:

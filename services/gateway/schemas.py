@@ -1,9 +1,14 @@
 """The HTTP API's request and response bodies (OpenAI's shapes plus DiLaServe's fields).
 
-Requests are strict: unknown fields, wrong types and out-of-range values are refused (400, the field
-named). Limits that depend on the served model or the settings (``max_tokens`` against
-``DLS_GATEWAY_MAX_GEN_LENGTH``, the context length, the number of messages) are checked when the
-request is prepared (``services.gateway.prepare``).
+What clients routinely send is accepted: every field of OpenAI's API at its default or no-op value
+(``top_p: 1``, ``stop: null``, ``presence_penalty: 0``, ``logprobs: false``, ``best_of: 1``, ...),
+``max_completion_tokens`` for ``max_tokens``, chat content as a list of text parts, and the
+extensions benchmark clients send (``ignore_eos``, ``repetition_penalty: 1``, ``min_tokens: 0``).
+A value DiLaServe cannot honour is refused with a 400 naming the field and saying why, and so is a
+field the API does not define (a typo there would otherwise be silently ignored). Wrong types and
+out-of-range values are refused the same way. Limits that depend on the served model or the settings
+(the context length, the number of messages) are checked when the request is prepared
+(``services.gateway.prepare``).
 """
 
 from __future__ import annotations
@@ -22,19 +27,33 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
+def _only(field: str, value: Any, allowed: tuple, why: str) -> Any:
+    """``value`` if it is None or one of the no-op ``allowed`` values, else a 400 naming why."""
+    if value is not None and value not in allowed:
+        raise ValueError(f"{field} {value!r} is not supported: {why}")
+    return value
+
+
 class StreamOptions(_Strict):
     """Options of a streamed answer."""
 
     include_progress: bool = Field(False, description="also send `event: progress` lines: step, threshold, "
                                                       "instance and the canvas with masks as '_'")
     include_usage: bool = Field(True, description="accepted for OpenAI clients; the final chunk always has usage")
+    continuous_usage_stats: bool = Field(False, description="accepted for vLLM clients (usage comes at the end)")
 
 
 class _GenerationFields(_Strict):
     """What completions and chat completions share."""
 
     model: str = Field(description="the served model's id (GET /v1/models)")
-    max_tokens: int | None = Field(None, ge=1, description="generation length (the canvas); default: the model's")
+    max_tokens: int | None = Field(None, ge=1, description="cap on the answer's tokens; the canvas is this rounded "
+                                   "up to the block length, at most the model's longest (a cap, never a change of "
+                                   "the answer); default: the model's default canvas")
+    max_completion_tokens: int | None = Field(None, ge=1, description="OpenAI's newer name of max_tokens; wins "
+                                              "when both are set")
+    ignore_eos: bool = Field(False, description="decode the whole canvas instead of stopping at the block that "
+                             "completes an EOS (benchmark clients); finish_reason is then 'length'")
     stream: bool = Field(False, description="answer with server-sent events")
     stream_options: StreamOptions | None = None
     seed: int | None = Field(None, ge=0, le=MAX_SEED, description="seed, for reproducible outputs")
@@ -47,21 +66,84 @@ class _GenerationFields(_Strict):
     cache: CacheName = Field("dual", description="approximate KV cache: none, prefix or dual")
     n: int | None = Field(None, description="choices per request: only 1")
     temperature: float | None = Field(None, description="only 0: decoding is greedy")
+    top_p: float | None = Field(None, description="only 1 (no nucleus cut): decoding is greedy")
+    top_k: int | None = Field(None, description="only -1 or 0 (no cut): decoding is greedy")
+    min_p: float | None = Field(None, description="only 0")
+    presence_penalty: float | None = Field(None, description="only 0: no penalties are applied")
+    frequency_penalty: float | None = Field(None, description="only 0: no penalties are applied")
+    repetition_penalty: float | None = Field(None, description="only 1 (vLLM's no-op value)")
+    min_tokens: int | None = Field(None, description="only 0 (vLLM's no-op value)")
+    stop: str | list[str] | None = Field(None, description="only null, '' or []: stop sequences are not supported")
+    logit_bias: dict[str, float] | None = Field(None, description="only null or {}")
     user: str | None = Field(None, max_length=256, description="end-user id (ignored)")
+    metadata: dict[str, str] | None = Field(None, description="accepted, ignored")
+    store: bool | None = Field(None, description="accepted, ignored: nothing is stored for later retrieval")
+    service_tier: str | None = Field(None, description="accepted, ignored")
+    skip_special_tokens: bool = Field(True, description="only true: special tokens never appear in the text")
 
     @field_validator("n")
     @classmethod
     def _one_choice(cls, n: int | None) -> int | None:
-        if n is not None and n != 1:
-            raise ValueError("only n=1 is supported")
-        return n
+        return _only("n", n, (1,), "one choice per request")
 
     @field_validator("temperature")
     @classmethod
     def _greedy(cls, temperature: float | None) -> float | None:
-        if temperature is not None and temperature != 0:
-            raise ValueError("only temperature 0 is supported: the engine decodes greedily")
-        return temperature
+        return _only("temperature", temperature, (0,), "the engine decodes greedily (temperature 0)")
+
+    @field_validator("top_p")
+    @classmethod
+    def _no_nucleus(cls, top_p: float | None) -> float | None:
+        return _only("top_p", top_p, (1,), "the engine decodes greedily (top_p 1)")
+
+    @field_validator("top_k")
+    @classmethod
+    def _no_top_k(cls, top_k: int | None) -> int | None:
+        return _only("top_k", top_k, (-1, 0), "the engine decodes greedily (top_k -1 or 0)")
+
+    @field_validator("min_p")
+    @classmethod
+    def _no_min_p(cls, min_p: float | None) -> float | None:
+        return _only("min_p", min_p, (0,), "the engine decodes greedily (min_p 0)")
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, penalty: float | None, info) -> float | None:
+        return _only(info.field_name, penalty, (0,), "no penalties are applied (0)")
+
+    @field_validator("repetition_penalty")
+    @classmethod
+    def _no_repetition_penalty(cls, penalty: float | None) -> float | None:
+        return _only("repetition_penalty", penalty, (1,), "no penalties are applied (1)")
+
+    @field_validator("min_tokens")
+    @classmethod
+    def _no_min_tokens(cls, min_tokens: int | None) -> int | None:
+        return _only("min_tokens", min_tokens, (0,), "an answer ends at its EOS (min_tokens 0)")
+
+    @field_validator("stop")
+    @classmethod
+    def _no_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        if stop:
+            raise ValueError("stop sequences are not supported (null, '' or [] only): answers end at EOS")
+        return stop
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        if bias:
+            raise ValueError("logit_bias is not supported (null or {} only)")
+        return bias
+
+    @field_validator("skip_special_tokens")
+    @classmethod
+    def _skips_special(cls, skip: bool) -> bool:
+        return _only("skip_special_tokens", skip, (True,), "special tokens never appear in the text")
+
+    @property
+    def answer_cap(self) -> int | None:
+        """The cap on the answer's tokens (max_completion_tokens, else max_tokens; None: the default)."""
+        return self.max_completion_tokens or self.max_tokens
 
     @property
     def include_progress(self) -> bool:
@@ -72,6 +154,30 @@ class CompletionBody(_GenerationFields):
     """POST /v1/completions."""
 
     prompt: str = Field(min_length=1, description="the prompt: a string, or a list with exactly one string")
+    logprobs: int | None = Field(None, description="only null or 0: log probabilities are not returned")
+    echo: bool = Field(False, description="only false: the prompt is not repeated in the answer")
+    best_of: int | None = Field(None, description="only 1 (one choice per request)")
+    suffix: str | None = Field(None, description="only null: no insertion after the answer")
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, logprobs: int | None) -> int | None:
+        return _only("logprobs", logprobs, (0,), "log probabilities are not returned")
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, echo: bool) -> bool:
+        return _only("echo", echo, (False,), "the prompt is not repeated in the answer")
+
+    @field_validator("best_of")
+    @classmethod
+    def _one_best(cls, best_of: int | None) -> int | None:
+        return _only("best_of", best_of, (1,), "one choice per request")
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, suffix: str | None) -> str | None:
+        return _only("suffix", suffix, (), "no insertion after the answer")
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -83,18 +189,83 @@ class CompletionBody(_GenerationFields):
         return prompt
 
 
-class ChatMessage(_Strict):
-    """One message of a conversation."""
+class TextPart(_Strict):
+    """A text part of a message's content (what the OpenAI SDK and benchmark clients send)."""
 
-    role: Literal["system", "user", "assistant"]
-    content: str
+    type: Literal["text"] = Field(description="only 'text': the served models read text")
+    text: str | None = None
+
+
+class ChatMessage(_Strict):
+    """One message of a conversation; ``content`` as a string or a list of text parts (joined)."""
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None  # None: an assistant turn with nothing said
     name: str | None = Field(None, max_length=256, description="participant name (ignored)")
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts(cls, content: Any) -> Any:
+        if isinstance(content, list):
+            for index, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text":
+                    raise ValueError(f"part {index} has type {kind!r}: only text parts are supported")
+        return content
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text or "" for part in self.content)
+        return self.content or ""
+
+    @property
+    def template_role(self) -> str:
+        """The role a chat template knows: OpenAI's ``developer`` is the older ``system``."""
+        return "system" if self.role == "developer" else self.role
+
+
+class ResponseFormat(_Strict):
+    type: str = Field(description="only 'text'")
+
+    @field_validator("type")
+    @classmethod
+    def _plain_text(cls, kind: str) -> str:
+        return _only("response_format.type", kind, ("text",), "answers are plain text")
 
 
 class ChatCompletionBody(_GenerationFields):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1, description="the conversation so far")
+    logprobs: bool | None = Field(None, description="only false: log probabilities are not returned")
+    top_logprobs: int | None = Field(None, description="only null or 0")
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = Field(None, description="only null or []: no tool calls")
+    tool_choice: str | None = Field(None, description="only null or 'none'")
+    parallel_tool_calls: bool | None = Field(None, description="accepted, ignored (no tool calls)")
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, logprobs: bool | None) -> bool | None:
+        return _only("logprobs", logprobs, (False,), "log probabilities are not returned")
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _no_top_logprobs(cls, top: int | None) -> int | None:
+        return _only("top_logprobs", top, (0,), "log probabilities are not returned")
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, tools: list | None) -> list | None:
+        if tools:
+            raise ValueError("tools are not supported: the model makes no tool calls")
+        return tools
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _no_tool_choice(cls, choice: str | None) -> str | None:
+        return _only("tool_choice", choice, ("none",), "the model makes no tool calls")
 
 
 # --- answers -------------------------------------------------------------------------------------
@@ -188,8 +359,11 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "dilaserve"
     max_sequence_length: int
-    default_max_tokens: int
+    max_model_len: int = Field(description="vLLM's name of max_sequence_length: prompt plus canvas fit in it")
+    default_max_tokens: int = Field(description="the canvas of a request that sets no max_tokens")
     default_block_length: int
+    max_canvas: int | None = Field(description="longest canvas the model answers the same at: a larger max_tokens "
+                                   "gets this canvas (null: bounded by the context only)")
 
 
 class ModelList(BaseModel):

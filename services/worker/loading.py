@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from services.worker.model import DLMConfig, DLMForMaskedDiffusion
-from services.worker.tokenizer import TOKENIZER_FILE, CharTokenizer
+from shared.tokenizer import TOKENIZER_FILE, CharTokenizer
 from shared.generation import GenerationLimits, read_generation_limits
 
 LLADA_MASK_ID = 126336

@@ -490,7 +490,8 @@ class WorkerService:
             delta = ""
             if block_done or outcome.finished:
                 start, end = local.state.block_bounds(outcome.block_index)
-                delta = self._text(record.canvas[:end])[len(self._text(record.canvas[:start])):]
+                cap = record.gen_length if record.max_tokens is None else record.max_tokens  # the answer's cap
+                delta = self._text(record.canvas[:min(end, cap)])[len(self._text(record.canvas[:min(start, cap)])):]
             progress = RequestProgress(
                 request_id=record.request_id, seq=record.num_steps + 1, num_steps=record.num_steps,
                 block_index=outcome.block_index, committed_positions=list(outcome.committed_positions),

@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from services.worker.model import DLMConfig, DLMForMaskedDiffusion
 from services.worker.reference import reference_generate
-from services.worker.tokenizer import CharTokenizer
+from shared.tokenizer import CharTokenizer
 from shared.tasks import (
     CHAIN_MIN_ITEMS,
     Family,

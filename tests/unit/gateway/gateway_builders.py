@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 
 from services.gateway.app import create_app
 from services.gateway.bus import Readiness
-from services.worker.tokenizer import CharTokenizer
+from shared.tokenizer import CharTokenizer
 from shared.messages.control import WorkerHeartbeat, WorkerStatus
 from shared.messages.events import (
     FailureReason,

@@ -17,8 +17,10 @@ from shared.messages.base import CacheMode, StepKind
 from shared.messages.control import WorkerStatus
 from shared.messages.events import FailureReason
 from shared.state import RequestRecord, RequestStatus, StepRecord
+from shared.generation import read_generation_limits
 from tests.unit.gateway.gateway_builders import (
     MODEL,
+    MODEL_DIR,
     TOKENIZER,
     FakeBus,
     answer_script,
@@ -29,6 +31,7 @@ from tests.unit.gateway.gateway_builders import (
     sse_events,
 )
 
+LIMITS = read_generation_limits(MODEL_DIR)
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 REQUEST_ID = re.compile(r"^cmpl-[0-9a-f]{32}$")
 USAGE_KEYS = {"prompt_tokens", "completion_tokens", "total_tokens", "steps", "recompute_steps", "thresholds",
@@ -45,7 +48,8 @@ def test_completion_submits_a_filled_in_request_and_answers_in_openai_shape():
     [sent] = bus.submitted
     assert REQUEST_ID.match(sent.request_id)
     assert sent.prompt_token_ids == TOKENIZER.encode("1+1=")
-    assert (sent.gen_length, sent.block_length) == (16, 8)  # the model's training_info.json
+    assert (sent.gen_length, sent.block_length) == (LIMITS.gen_length, LIMITS.block_length)  # the model's defaults
+    assert (sent.max_tokens, sent.ignore_eos) == (None, False)
     assert sent.cache_mode is CacheMode.PREFIX
     assert (sent.seed, sent.priority, sent.min_threshold, sent.stream, sent.model) == (7, 2, 0.6, False, MODEL)
     assert before <= sent.arrival_time <= time.time()
@@ -74,11 +78,61 @@ def test_default_slo_has_a_floor_and_a_fallback():
 
 
 def test_explicit_lengths_and_settings_defaults():
-    test_client, bus = client(default_gen_length=24, default_block_length=4)
+    test_client, bus = client(default_gen_length=12, default_block_length=4)
     test_client.post("/v1/completions", json={"model": MODEL, "prompt": "1+1="})
-    assert (bus.submitted[-1].gen_length, bus.submitted[-1].block_length) == (24, 4)
-    test_client.post("/v1/completions", json={"model": MODEL, "prompt": "1+1=", "max_tokens": 6, "block_length": 32})
-    assert (bus.submitted[-1].gen_length, bus.submitted[-1].block_length) == (6, 6)  # block capped at the canvas
+    assert (bus.submitted[-1].gen_length, bus.submitted[-1].block_length) == (12, 4)
+    test_client.post("/v1/completions", json={"model": MODEL, "prompt": "1+1=", "max_tokens": 6, "block_length": 4})
+    assert (bus.submitted[-1].gen_length, bus.submitted[-1].max_tokens) == (8, 6)  # whole blocks, the cap carried
+    test_client.post("/v1/completions", json={"model": MODEL, "prompt": "1+1=", "max_tokens": 3, "block_length": 32})
+    assert (bus.submitted[-1].gen_length, bus.submitted[-1].block_length) == (min(32, LIMITS.max_gen_length),) * 2
+
+
+def test_max_tokens_is_a_cap_bounded_by_the_model_not_refused():
+    test_client, bus = client()
+    for max_tokens in (4096, 10**6):
+        response = test_client.post("/v1/completions", json={"model": MODEL, "prompt": "1+1=", "max_tokens": max_tokens})
+        assert response.status_code == 200, response.text
+        assert (bus.submitted[-1].gen_length, bus.submitted[-1].max_tokens) == (LIMITS.max_gen_length, max_tokens)
+    test_client, bus = client(max_gen_length=8)  # the operator's cap applies too
+    test_client.post("/v1/completions", json={"model": MODEL, "prompt": "1+1=", "max_tokens": 64})
+    assert bus.submitted[-1].gen_length == 8
+
+
+def test_what_sdks_and_benchmark_clients_send_is_accepted():
+    test_client, bus = client()
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": "2+2="}]}],
+            "temperature": 0.0, "top_p": 1.0, "stop": None, "presence_penalty": 0.0, "frequency_penalty": 0,
+            "max_completion_tokens": 24, "max_tokens": 999, "logprobs": False, "n": 1, "seed": 3,
+            "stream_options": {"include_usage": True}, "ignore_eos": True, "user": "u", "tool_choice": "none"}
+    response = test_client.post("/v1/chat/completions", json=chat)
+    assert response.status_code == 200, response.text
+    sent = bus.submitted[-1]
+    assert sent.prompt_token_ids == TOKENIZER.encode("2+2=")  # text parts joined, the template adds nothing
+    assert (sent.max_tokens, sent.ignore_eos) == (24, True)  # max_completion_tokens wins over max_tokens
+    completion = {"model": MODEL, "prompt": "1+1=", "temperature": 0.0, "best_of": 1, "max_tokens": 16,
+                  "logprobs": None, "repetition_penalty": 1.0, "stream_options": {"include_usage": True}}
+    assert test_client.post("/v1/completions", json=completion).status_code == 200
+
+
+@pytest.mark.parametrize("field, value, named", [
+    ("presence_penalty", 0.5, "no penalties"), ("top_p", 0.9, "greedily"), ("n", 2, "one choice"),
+    ("stop", ["\n"], "stop sequences"), ("logprobs", 3, "log probabilities"), ("best_of", 4, "one choice"),
+])
+def test_values_the_engine_cannot_honour_are_refused_naming_the_field(field, value, named):
+    test_client, _ = client()
+    response = test_client.post("/v1/completions", json={"model": MODEL, "prompt": "1+1=", field: value})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == field and named in error["message"]
+
+
+def test_a_non_text_content_part_is_refused_naming_it():
+    test_client, _ = client()
+    part = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    response = test_client.post("/v1/chat/completions",
+                                json={"model": MODEL, "messages": [{"role": "user", "content": [part]}]})
+    assert response.status_code == 400
+    assert "image_url" in response.json()["error"]["message"]
 
 
 def test_chat_completion_joins_messages_and_answers_as_chat():
@@ -112,7 +166,7 @@ def test_stream_sends_one_chunk_per_delta_then_usage_then_done():
 
 def test_stream_progress_lines_show_the_canvas():
     test_client, _ = client()
-    body = {"model": MODEL, "prompt": "1+1=", "max_tokens": 4, "stream": True,
+    body = {"model": MODEL, "prompt": "1+1=", "max_tokens": 4, "block_length": 4, "stream": True,
             "stream_options": {"include_progress": True}}
     response = test_client.post("/v1/completions", json=body)
     progress = [data for name, data in sse_events(response.text) if name == "progress"]

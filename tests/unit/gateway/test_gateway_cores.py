@@ -6,6 +6,8 @@ import json
 
 import pytest
 
+from shared.generation import read_generation_limits
+
 from services.gateway.models import (
     ModelCatalogue,
     ModelLoadError,
@@ -180,7 +182,9 @@ def test_the_highest_candidate_threshold_is_asked_for():
 def test_bundled_model_loads_with_its_limits_and_defaults():
     model = load_served_model(MODEL_DIR)
     assert (model.name, model.max_sequence_length) == (MODEL, 512)
-    assert (model.default_gen_length, model.default_block_length) == (16, 8)
+    limits = read_generation_limits(MODEL_DIR)  # the model's training_info.json
+    assert (model.default_gen_length, model.default_block_length) == (limits.gen_length, limits.block_length)
+    assert model.limits.max_gen_length == limits.max_gen_length >= limits.gen_length
     assert model.codec.encode("1+1=") and model.codec.decode(model.codec.encode("12") + [2, 5]) == "12"
     assert model.codec.render_canvas(model.codec.encode("1") + [model.codec.mask_token_id] * 2) == "1__"
     assert load_served_model(MODEL_DIR, default_gen_length=32).default_gen_length == 32

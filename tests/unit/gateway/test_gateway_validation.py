@@ -35,7 +35,8 @@ def assert_error(response, status: int, param: str | None) -> dict:
     ({"slo_ms": -5}, "slo_ms"),
     ({"slo_ms": 0}, "slo_ms"),
     ({"max_tokens": 0}, "max_tokens"),
-    ({"max_tokens": 5000}, "max_tokens"),  # above DLS_GATEWAY_MAX_GEN_LENGTH
+    ({"max_completion_tokens": -1}, "max_completion_tokens"),
+    ({"ignore_eos": "yes"}, "ignore_eos"),
     ({"max_tokens": 8.0}, "max_tokens"),  # not an integer
     ({"cache": "full"}, "cache"),
     ({"min_threshold": 1.5}, "min_threshold"),

@@ -3,7 +3,7 @@ import json
 import torch
 
 from services.worker.loading import load_model
-from services.worker.tokenizer import CharTokenizer
+from shared.tokenizer import CharTokenizer
 from services.worker.training import TrainConfig, Trainer, diffusion_loss, encode_batch, target_ids
 from shared.tasks import Split, TaskGenerator
 
