@@ -48,6 +48,7 @@ from services.reconfigurator.core.solver import SolverOptions
 from services.reconfigurator.core.spec import Cluster, Instance
 from services.reconfigurator.core.stage1 import Stage1Options
 from services.reconfigurator.core.stage2 import Stage2Options, solve_stage2
+from shared.leases import LeaseTable
 from shared.messages import codec
 from shared.messages.control import (
     ApplyConfiguration,
@@ -150,17 +151,6 @@ def operator_plan(plan_id: str, instances_by_tp: dict[int, int], placement: Plac
 
 
 @dataclass
-class Lease:
-    """A running instance as its last heartbeat described it."""
-
-    node: str
-    tp: int
-    gpu_ids: tuple[int, ...]
-    status: WorkerStatus
-    expires_at: float  # on the service's clock: receipt + ttl (immune to clock skew between hosts)
-
-
-@dataclass
 class AwaitedPlan:
     """A published plan waiting for the acks of the nodes it changes."""
 
@@ -199,7 +189,7 @@ class ReconfiguratorService:
                            stage2=self.stage2),
             margin=settings.improvement_margin, ack_timeout_s=settings.ack_timeout_s, plan_ids=self.plan_ids,
         )
-        self.leases: dict[str, Lease] = {}  # instance id -> its lease
+        self.leases = LeaseTable()  # the instances heard within their lease (counted from receipt)
         self.node_to_seen_gpu_ids: dict[str, set[int]] = {}  # node -> GPUs its instances held (default cluster)
         self.awaited: dict[str, AwaitedPlan] = {}  # plan id -> plan waiting for acks
         self.num_arrivals = 0
@@ -270,11 +260,7 @@ class ReconfiguratorService:
         beat = self._decode(WorkerHeartbeat, msg.data)
         if beat is None:
             return
-        if beat.status == WorkerStatus.STOPPING:
-            self.leases.pop(beat.instance_id, None)
-        else:
-            self.leases[beat.instance_id] = Lease(beat.node, beat.tp, tuple(sorted(beat.gpu_ids)), beat.status,
-                                                  self.clock() + beat.ttl_s)
+        self.leases.observe(beat, self.clock())
         self.node_to_seen_gpu_ids.setdefault(beat.node, set()).update(beat.gpu_ids)
 
     async def _on_ack(self, msg) -> None:
@@ -320,29 +306,29 @@ class ReconfiguratorService:
 
     def _placement(self, cluster: Cluster) -> set[Instance]:
         now = self.clock()
-        for instance_id in [i for i, lease in self.leases.items() if lease.expires_at <= now]:
-            del self.leases[instance_id]  # silent for longer than its lease: gone
+        self.leases.expire(now)  # silent for longer than their lease: gone
         name_to_gpus = {n.name: set(n.gpu_ids) for n in cluster.nodes}
         placement = set()
-        for instance_id, lease in self.leases.items():
-            if lease.status not in _LIVE:
+        for lease in self.leases:
+            beat, instance_id = lease.heartbeat, lease.instance_id
+            if beat.status not in _LIVE:
                 continue
-            problem = self._misfit(lease, name_to_gpus, cluster.tp_degrees)
+            problem = self._misfit(beat, name_to_gpus, cluster.tp_degrees)
             if problem is None:
-                placement.add(Instance(lease.node, lease.tp, lease.gpu_ids))
+                placement.add(Instance(beat.node, beat.tp, tuple(sorted(beat.gpu_ids))))
             elif instance_id not in self._warned:
                 self._warned.add(instance_id)
                 logger.warning("instance %s left out of the configuration: %s", instance_id, problem)
         return placement
 
     @staticmethod
-    def _misfit(lease: Lease, name_to_gpus: dict[str, set[int]], tp_degrees: tuple[int, ...]) -> str | None:
-        if lease.node not in name_to_gpus:
-            return f"node {lease.node!r} is not in the cluster spec"
-        if lease.tp not in tp_degrees:
-            return f"TP degree {lease.tp} is not planned for (degrees {list(tp_degrees)})"
-        if len(lease.gpu_ids) != lease.tp or not set(lease.gpu_ids) <= name_to_gpus[lease.node]:
-            return f"GPUs {list(lease.gpu_ids)} are not {lease.tp} GPUs of node {lease.node!r}"
+    def _misfit(beat: WorkerHeartbeat, name_to_gpus: dict[str, set[int]], tp_degrees: tuple[int, ...]) -> str | None:
+        if beat.node not in name_to_gpus:
+            return f"node {beat.node!r} is not in the cluster spec"
+        if beat.tp not in tp_degrees:
+            return f"TP degree {beat.tp} is not planned for (degrees {list(tp_degrees)})"
+        if len(beat.gpu_ids) != beat.tp or not set(beat.gpu_ids) <= name_to_gpus[beat.node]:
+            return f"GPUs {list(beat.gpu_ids)} are not {beat.tp} GPUs of node {beat.node!r}"
         return None
 
     def _expire_awaited(self) -> None:

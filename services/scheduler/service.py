@@ -53,6 +53,7 @@ from services.scheduler.core import (
 from services.scheduler.core.decisions import RejectReason
 from services.scheduler.core.threshold import within_quality_budget
 from shared.jetstream import IntakeConsumer, IntakeDelivery, ensure_intake_stream
+from shared.leases import LeaseTable, Observed, step_stuck
 from shared.messages import codec
 from shared.messages.control import Arrival, WorkerHeartbeat, WorkerStatus, WorkloadStats
 from shared.messages.events import FailureReason, RequestAccepted, RequestFailed
@@ -120,7 +121,6 @@ class _Worker:
     """A leased instance."""
 
     heartbeat: WorkerHeartbeat
-    expires_at: float
     busy_step_id: int | None = None  # the command in flight
     busy_since: float = 0.0  # when that command was sent (a step past step_timeout_s is lost)
     in_flight_ids: list[str] = field(default_factory=list)  # its requests
@@ -194,7 +194,8 @@ class SchedulerService:
         self.mask_token_id = mask_token_id
         self.clock = clock
         self.tracked: dict[str, _Tracked] = {}  # request id -> service-side state
-        self.workers: dict[str, _Worker] = {}  # instance id -> lease
+        self.workers: dict[str, _Worker] = {}  # instance id -> the instance as the step loop uses it
+        self.leases = LeaseTable()  # every instance heard within its lease (counted from receipt)
         self._profiles: dict[str, LatencyProfile] = {}  # path -> loaded profile
         # step ids start at the clock in microseconds, so a restarted scheduler never reuses an id
         # that a worker may still answer for its predecessor
@@ -399,13 +400,22 @@ class SchedulerService:
         if beat.shard != self.settings.shard and self.settings.scheduler_shards > 1:
             return  # another scheduler shard's instance
         now = self.clock()
+        observed = self.leases.observe(beat, now)
+        if observed is Observed.IGNORED:
+            return  # a late heartbeat, older than one already taken
         worker = self.workers.get(beat.instance_id)
-        if worker is not None and beat.started_at != worker.heartbeat.started_at:
+        if worker is not None and observed is Observed.RESTARTED:
             logger.warning("instance %s restarted: its steps in flight are lost", beat.instance_id)
             self._fail_instance(beat.instance_id)
             worker = None
-        if beat.status == WorkerStatus.STOPPING:
+        if observed is Observed.ENDED:
             if worker is not None:
+                self._fail_instance(beat.instance_id)
+            return
+        if step_stuck(beat, self.settings.step_timeout_s):  # alive, but its step never returns: hung
+            if worker is not None:
+                logger.warning("instance %s: its step has been computing for %.0f s (hung); its requests resume "
+                               "elsewhere", beat.instance_id, beat.step_running_s)
                 self._fail_instance(beat.instance_id)
             return
         if worker is None:
@@ -416,12 +426,11 @@ class SchedulerService:
                 return
             self.view.add_instance(beat.instance_id, beat.tp, profile, node_id=beat.node,
                                    max_batch=min(beat.max_batch, profile.max_batch(beat.tp)))
-            self.workers[beat.instance_id] = _Worker(beat, beat.expires_at)
+            self.workers[beat.instance_id] = _Worker(beat)
             logger.info("instance %s joined (tp %d, node %s)", beat.instance_id, beat.tp, beat.node)
             self._handle(self.loop.tick(now))
             return
         worker.heartbeat = beat
-        worker.expires_at = beat.expires_at
         inst = self.view.instances.get(beat.instance_id)
         if beat.status == WorkerStatus.DRAINING and inst is not None and inst.alive:
             logger.info("instance %s draining: its requests move away", beat.instance_id)
@@ -459,11 +468,13 @@ class SchedulerService:
             await asyncio.sleep(0.25)
             now = self.clock()
             self._update_gauges()
+            for lease in self.leases.expire(now):
+                if lease.instance_id in self.workers:
+                    logger.warning("instance %s: lease expired (no heartbeat for %.1f s); its requests resume "
+                                   "elsewhere", lease.instance_id, now - lease.received_at)
+                    self._fail_instance(lease.instance_id)
             for iid, worker in list(self.workers.items()):
-                if worker.expires_at < now:
-                    logger.warning("instance %s: lease expired; its requests resume elsewhere", iid)
-                    self._fail_instance(iid)
-                elif worker.busy_step_id is not None and now - worker.busy_since > self.settings.step_timeout_s:
+                if worker.busy_step_id is not None and now - worker.busy_since > self.settings.step_timeout_s:
                     # the command or its results got lost (a NATS node went away): the instance is
                     # dropped and joins again with its next heartbeat; its requests resume from Redis
                     logger.warning("instance %s: step %d unanswered after %.0f s; its requests resume from Redis",

@@ -1,7 +1,7 @@
 """Cluster control: worker heartbeats (leases), workload stats, reconfiguration plans and their acks.
 
-Workers publish a ``WorkerHeartbeat`` every few seconds (subject ``heartbeat``); the scheduler treats
-an instance as gone when no heartbeat arrived within its ``ttl_s``. The scheduler publishes
+Workers publish a ``WorkerHeartbeat`` every few seconds (subject ``heartbeat``); every reader treats
+an instance as gone when no heartbeat arrived within its ``ttl_s`` (``shared.leases``). The scheduler publishes
 ``WorkloadStats`` (subject ``stats``) for the reconfigurator's workload monitor. The reconfigurator
 publishes a ``ReconfigPlan`` (subject ``plans``), mirroring ``services.reconfigurator.core.plan``;
 each node agent answers with a ``PlanAck`` (subject ``plans.ack``). An operator asks the
@@ -26,7 +26,8 @@ class WorkerStatus(IntEnum):
 
 
 class WorkerHeartbeat(Message, kw_only=True):
-    """A worker's lease: it is alive and serving ``model`` until ``sent_at + ttl_s``."""
+    """A worker's lease: it is alive and serving ``model`` for ``ttl_s`` after this heartbeat *arrives*
+    (on the receiver's clock: ``shared.leases``; ``sent_at`` is informational, hosts' clocks differ)."""
 
     instance_id: str  # the instance (also the token of its step subject)
     node: str  # the node it runs on
@@ -39,15 +40,13 @@ class WorkerHeartbeat(Message, kw_only=True):
     profile_context_tokens: int = 0  # the context its paced latencies apply at (0: the profile's own)
     status: WorkerStatus = WorkerStatus.READY  # its state
     num_resident: int = 0  # requests whose local copy (and KV cache) it holds
-    ttl_s: float  # the lease lasts this long after sent_at
+    ttl_s: float  # the lease lasts this long after the heartbeat arrives
     sent_at: float  # unix time (s) of this heartbeat
     started_at: float = 0.0  # unix time (s) the worker started (a change means it restarted)
     metrics_port: int = 0  # port of its Prometheus /metrics endpoint on its node; 0: none
     shard: int = 0  # the scheduler shard that owns this instance (DLS_SCHEDULER_SHARDS > 1)
-
-    @property
-    def expires_at(self) -> float:
-        return self.sent_at + self.ttl_s
+    seq: int = 0  # counts this process's heartbeats from 1 (orders them; 0: a sender that does not count)
+    step_running_s: float = 0.0  # how long its current step has been computing (s, its monotonic clock); 0: idle
 
 
 class Arrival(Part, kw_only=True):
