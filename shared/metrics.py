@@ -179,4 +179,6 @@ class NodeAgentMetrics:
         self.registry = r = registry or CollectorRegistry()
         self.workers = Gauge("dls_node_agent_workers", "worker processes it manages", registry=r)
         self.restarts = Counter("dls_node_agent_restarts", "workers restarted after exiting unasked", registry=r)
+        self.hung = Counter("dls_node_agent_hung_workers", "workers killed as hung (silent, or a step that never "
+                            "returns)", registry=r)
         self.malformed = _malformed(r)

@@ -177,6 +177,9 @@ class WorkerSettings(ServiceSettings):
         "scaled by its requests' mean context over it; unset: the profile's latencies as they are", gt=0)
     pace_profile: str | None = _own("worker", "pace_profile", None,
                                     "latency profile to pace steps to (emulate a GPU); unset: run at own speed")
+    clock_offset_s: float = Field(0.0, validation_alias=f"{ENV_PREFIX}TEST_CLOCK_OFFSET_S",
+                                  description="TESTS ONLY: the worker's clock runs this many seconds ahead (negative: "
+                                              "behind), as on a host with a skewed clock")
 
     @field_validator("instance_id")
     @classmethod
@@ -234,6 +237,9 @@ class NodeAgentSettings(ServiceSettings):
                                     "delay before restarting a worker that exited unasked; doubles per "
                                     "consecutive crash", gt=0)
     restart_backoff_max_s: float = _own("node_agent", "restart_backoff_max_s", 60.0, "longest restart delay", gt=0)
+    hang_timeout_s: float = _own("node_agent", "hang_timeout_s", 30.0,
+                                 "a READY worker silent for this long, or reporting a step computing for this long, "
+                                 "is hung: killed and restarted", gt=0)
 
 
 SERVICE_SETTINGS: dict[str, type[ServiceSettings]] = {  # service name -> its settings class

@@ -11,6 +11,11 @@
 - Restarts: a worker that exits without being asked is logged and started again on the same GPUs,
   under the same instance id (its heartbeat's ``started_at`` changes), after a back-off that doubles
   per consecutive crash (``restart_backoff_s`` up to ``restart_backoff_max_s``; reset once READY).
+- Hung workers: a worker that has been READY and then sends no heartbeat for ``hang_timeout_s`` (a
+  stopped or wedged process), or whose heartbeats report a step computing for longer than that (a
+  step that never returns while its heartbeat task lives), is SIGKILLed with its process group and so
+  restarted as above. Silence is only counted while the agent's own NATS connection is up. The
+  scheduler has already moved its requests away (its lease ran out, or ``shared.leases.step_stuck``).
 - SIGTERM / SIGINT: every worker is stopped as above, then the agent exits.
 
 A worker is ``worker_command`` (a leading ``python`` is this interpreter) in its own session and
@@ -100,6 +105,20 @@ def initial_slots(gpu_ids: Iterable[int], degrees: Iterable[int]) -> list[tuple[
     return slots
 
 
+def hang_problem(worker: Worker, now: float, timeout_s: float) -> str | None:
+    """Why ``worker`` counts as hung at ``now`` (``time.monotonic()``), or None: a worker that has been
+    READY in its current process and then went silent, or reports a step computing, for over ``timeout_s``."""
+    process = worker.process
+    if worker.stopping or process is None or process.returncode is not None or not worker.ready.is_set():
+        return None
+    silent_s = now - worker.last_heard
+    if silent_s > timeout_s:
+        return f"no heartbeat for {silent_s:.1f} s"
+    if worker.step_running_s > timeout_s:
+        return f"a step computing for {worker.step_running_s:.1f} s"
+    return None
+
+
 def ack_status(num_done: int, problems: list[str]) -> PlanAckStatus:
     if not problems:
         return PlanAckStatus.APPLIED
@@ -124,6 +143,10 @@ class Worker:
     status: WorkerStatus | None = None  # from its last heartbeat
     ready: asyncio.Event = field(default_factory=asyncio.Event)  # READY heartbeat of the current process
     watcher: asyncio.Task | None = None  # waits for the current process to exit (and restarts it)
+    last_heard: float = 0.0  # time.monotonic() of its current process's latest heartbeat (or spawn)
+    started_at: float | None = None  # its current process's started_at, from its heartbeats (its clock)
+    previous_started_at: float | None = None  # the process before it's (a late heartbeat of that one is ignored)
+    step_running_s: float = 0.0  # as its latest heartbeat reported
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # a restart and a stop never interleave
 
     def holds(self, slot: InstanceSlot) -> bool:
@@ -161,6 +184,8 @@ class NodeAgent:
         self.num_malformed = 0
         self._closing = False
         self._plan_task: asyncio.Task | None = None
+        self._watchdog_task: asyncio.Task | None = None
+        self.num_hung_killed = 0
         self._subscriptions: list = []
         self.metrics = NodeAgentMetrics()
         self.metrics.workers.set_function(lambda: len(self.workers))
@@ -179,12 +204,16 @@ class NodeAgent:
                 await self._spawn(worker)
             except OSError as exc:
                 raise AgentError(f"cannot run the worker command {shlex.join(self.argv)}: {exc}") from None
+        self._watchdog_task = asyncio.create_task(self._watchdog(), name="watchdog")
         logger.info("node agent %s up: GPUs %s, workers %s, command %s", self.node, list(self.gpu_ids),
                     [w.describe() for w in self.workers.values()], shlex.join(self.argv))
 
     async def shutdown(self) -> None:
         """Stop taking plans, stop every worker (SIGTERM, then SIGKILL after ``stop_timeout_s``)."""
         self._closing = True
+        if self._watchdog_task is not None:
+            self._watchdog_task.cancel()
+            await asyncio.gather(self._watchdog_task, return_exceptions=True)
         for subscription in self._subscriptions:
             await subscription.unsubscribe()
         self._subscriptions.clear()
@@ -249,6 +278,9 @@ class NodeAgent:
         worker.spawned_at = self.clock()
         worker.ready.clear()
         worker.status = None
+        if worker.started_at is not None:
+            worker.previous_started_at = worker.started_at
+        worker.started_at, worker.step_running_s, worker.last_heard = None, 0.0, time.monotonic()
         worker.watcher = asyncio.create_task(self._watch(worker, worker.process), name=f"watch {worker.instance_id}")
         logger.info("started %s as pid %d (log %s)", worker.describe(), worker.process.pid, path)
 
@@ -272,6 +304,32 @@ class NodeAgent:
             self.num_restarts += 1
             self.metrics.restarts.inc()
             await self._spawn(worker)
+
+    # --- hung workers ----------------------------------------------------------------------------
+
+    async def _watchdog(self) -> None:
+        period = min(1.0, self.settings.hang_timeout_s / 4)
+        while True:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            for worker in list(self.workers.values()):
+                if self.nc is None or not self.nc.is_connected:
+                    worker.last_heard = now  # the agent cannot hear anyone: it judges nobody
+                    continue
+                problem = hang_problem(worker, now, self.settings.hang_timeout_s)
+                if problem is not None:
+                    self._kill_hung(worker, problem)
+
+    def _kill_hung(self, worker: Worker, problem: str) -> None:
+        """SIGKILL a hung worker's process group; its watcher restarts it (an unasked exit)."""
+        process = worker.process
+        if process is None or process.returncode is not None:
+            return
+        logger.warning("%s is hung (%s): killing pid %d; it restarts", worker.describe(), problem, process.pid)
+        worker.ready.clear()  # judged once per process
+        self.num_hung_killed += 1
+        self.metrics.hung.inc()
+        _signal(process.pid, signal.SIGKILL, group=True)
 
     async def _stop(self, worker: Worker) -> None:
         """SIGTERM (the worker drains and exits), SIGKILL to its process group after ``stop_timeout_s``."""
@@ -337,9 +395,10 @@ class NodeAgent:
         worker = self.workers.get(beat.instance_id)
         if beat.node != self.node or worker is None:
             return
-        if beat.started_at and beat.started_at < worker.spawned_at - 1.0:
-            return  # a late heartbeat of the process before a restart
-        worker.status = beat.status
+        if worker.previous_started_at is not None and beat.started_at <= worker.previous_started_at:
+            return  # a late heartbeat of the process before a restart (both on this node's clock)
+        worker.started_at, worker.status = beat.started_at, beat.status
+        worker.last_heard, worker.step_running_s = time.monotonic(), beat.step_running_s
         if beat.status == WorkerStatus.READY and not worker.ready.is_set():
             worker.ready.set()
             worker.num_crashes = 0

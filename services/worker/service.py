@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -87,8 +88,9 @@ class WorkerService:
         store: StateStore,
         *,
         instance_id: str | None = None,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] | None = None,
     ) -> None:
+        """``clock``: unix time (default ``time.time``, offset by ``DLS_TEST_CLOCK_OFFSET_S`` when set)."""
         self.settings = settings
         self.engine = engine
         self.nc = nc
@@ -100,9 +102,9 @@ class WorkerService:
         if self.shard >= shards:
             raise ValueError(f"DLS_WORKER_SHARD {self.shard} is not below DLS_SCHEDULER_SHARDS {shards}")
         self._results_subject = self.subjects.results_for(self.shard, shards)
-        self.clock = clock
+        self.clock = clock if clock is not None else worker_clock(settings.clock_offset_s)
         self.status = WorkerStatus.STARTING
-        self.started_at = clock()
+        self.started_at = self.clock()
         self.pace = None  # the latency profile steps are stretched to (None: no pacing)
         if settings.pace_profile:
             self.pace = LatencyProfile.load(settings.pace_profile).scaled(settings.pace_scale)
@@ -111,6 +113,8 @@ class WorkerService:
         self.local: dict[str, _Local] = {}  # request id -> its local copy
         self.num_steps = 0
         self.num_malformed = 0
+        self.num_heartbeats = 0  # sent by this process (each heartbeat's seq)
+        self._computing_since: float | None = None  # time.monotonic() the running engine step began
         self._lock = asyncio.Lock()  # one step at a time
         self._open_steps: set[int] = set()  # steps commanded (or continued into) whose results are not out yet
         self._next: dict[int, tuple[StepCommand, dict | None]] = {}  # open step id -> the command for the step after it
@@ -209,9 +213,16 @@ class WorkerService:
             status=self.status, num_resident=len(self.local),
             ttl_s=self.settings.lease_ttl_s, sent_at=self.clock(), started_at=self.started_at,
             metrics_port=self._metrics_server.server_port if self._metrics_server is not None else 0,
-            shard=self.shard,
+            shard=self.shard, seq=self.num_heartbeats + 1, step_running_s=self.step_running_s(),
         )
+        self.num_heartbeats += 1
         await self.nc.publish(self.subjects.heartbeat, codec.encode(beat, self.settings.max_payload_bytes))
+
+    def step_running_s(self) -> float:
+        """How long the engine step now running has been computing (0 when none runs); heartbeats report
+        it, so a step that never returns is seen while the heartbeats go on (``shared.leases.step_stuck``)."""
+        since = self._computing_since
+        return 0.0 if since is None else max(time.monotonic() - since, 1e-6)
 
     # --- steps -----------------------------------------------------------------------------------
 
@@ -325,14 +336,18 @@ class WorkerService:
             failures.append(StepFailure(request_id=item.request_id, reason=f"batch over max_batch {self.settings.max_batch}"))
         ready, loaded = await self._states(items, failures)
         batch = [(local.state, item.threshold) for item, local in ready]
-        if not batch:
-            outcomes = []
-        elif self._offload:  # a real forward: off the event loop, so heartbeats and commands keep flowing
-            outcomes = await asyncio.to_thread(self.engine.step, batch)
-        else:  # an engine that computes nothing (the zero-compute fake): a thread hop would cost more
-            outcomes = self.engine.step(batch)
-        if self.pace is not None and batch:
-            await self._pace(t0, outcomes, [state for state, _ in batch])
+        self._computing_since = time.monotonic() if batch else None
+        try:
+            if not batch:
+                outcomes = []
+            elif self._offload:  # a real forward: off the event loop, so heartbeats and commands keep flowing
+                outcomes = await asyncio.to_thread(self.engine.step, batch)
+            else:  # an engine that computes nothing (the zero-compute fake): a thread hop would cost more
+                outcomes = self.engine.step(batch)
+            if self.pace is not None and batch:
+                await self._pace(t0, outcomes, [state for state, _ in batch])
+        finally:
+            self._computing_since = None
         duration = time.perf_counter() - t0
         now = self.clock()
         new_records, new_steps = [], {}  # request id -> its step record
@@ -518,6 +533,19 @@ class WorkerService:
 
     def _text(self, ids: list[int]) -> str:
         return self.engine.decode([i for i in ids if i != self.engine.mask_id])
+
+
+def worker_clock(offset_s: float) -> Callable[[], float]:
+    """``time.time``, or (tests only: ``DLS_TEST_CLOCK_OFFSET_S``) a clock ``offset_s`` off it, as on a host
+    whose clock is wrong; leases never depend on it (``shared.leases``)."""
+    if not offset_s:
+        return time.time
+    logger.warning("worker clock offset by %+.1f s (DLS_TEST_CLOCK_OFFSET_S)", offset_s)
+    return functools.partial(_offset_time, offset_s)
+
+
+def _offset_time(offset_s: float) -> float:
+    return time.time() + offset_s
 
 
 def _current_block(state, mask_id: int) -> int:

@@ -3,7 +3,9 @@
 with the instance id, TP degree and GPUs the agent gave it, and on SIGTERM publishes DRAINING, then
 STOPPING, and exits. Knobs (environment): FAKE_WORKER_PID_DIR (it records ``<instance id>.<pid>``
 there), FAKE_WORKER_FAIL_TP (exit at once with code 3 when its TP degree is this one),
-FAKE_WORKER_IGNORE_SIGTERM (never exit on SIGTERM: the agent has to kill it)."""
+FAKE_WORKER_IGNORE_SIGTERM (never exit on SIGTERM: the agent has to kill it), FAKE_WORKER_STUCK_GPU
+(the first worker on this GPU reports, from its third heartbeat on, a step that has been computing
+ever since: its heartbeats go on, its step never returns)."""
 
 from __future__ import annotations
 
@@ -69,12 +71,22 @@ async def main():
     else:
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
 
+    stuck_marker = os.path.join(os.environ["FAKE_WORKER_PID_DIR"], "stuck")
+    stuck = os.environ.get("FAKE_WORKER_STUCK_GPU") == str(GPU_IDS[0]) and not os.path.exists(stuck_marker)
+    seq, stuck_since = 0, None
+
     async def beat(status):
+        nonlocal seq
+        seq += 1
+        running = time.monotonic() - stuck_since if stuck_since is not None else 0.0
         await nc.publish(subject, encode(WorkerHeartbeat(
             instance_id=INSTANCE_ID, node=NODE, tp=TP, gpu_ids=GPU_IDS, max_batch=4, model="fake", status=status,
-            ttl_s=3 * INTERVAL_S, sent_at=time.time(), started_at=started_at)))
+            ttl_s=3 * INTERVAL_S, sent_at=time.time(), started_at=started_at, seq=seq, step_running_s=running)))
 
     while not stop.is_set():
+        if stuck and seq == 2:
+            open(stuck_marker, "w").close()
+            stuck_since = time.monotonic()
         await beat(WorkerStatus.READY)
         try:
             await asyncio.wait_for(stop.wait(), INTERVAL_S)
@@ -113,7 +125,7 @@ class Cluster:
         return sorted(i for i, beat in self.beats.items() if beat.status == WorkerStatus.READY)
 
     def pids(self, instance_id: str | None = None) -> list[int]:
-        return sorted(int(p.name.rsplit(".", 1)[1]) for p in self.pid_dir.iterdir()
+        return sorted(int(p.name.rsplit(".", 1)[1]) for p in self.pid_dir.iterdir() if p.name != "stuck"
                       if instance_id is None or p.name.rsplit(".", 1)[0] == instance_id)
 
     def ack_for(self, plan_id: str) -> PlanAck | None:
@@ -285,3 +297,39 @@ def test_bad_settings_fail_at_start_with_a_clear_message(tmp_path):
                             text=True, timeout=WAIT_S)
     assert result.returncode == 2
     assert "do not fit on GPUs [0, 1]" in result.stderr
+
+
+def test_hung_workers_are_killed_and_replaced(nats_server, unique_prefix, tmp_path):
+    """A stopped process (SIGSTOP: no heartbeats) and a live one whose step never returns (its heartbeats
+    say so) are both killed by the agent and restarted on their GPUs; the healthy one is left alone."""
+    cluster = Cluster(tmp_path / "pids")
+
+    async def main(agent, log):
+        nc, _ = await watch(nats_server.url, unique_prefix, cluster)
+        await until(lambda: len(cluster.ready_ids()) == 3, "the three initial workers", agent, log)
+        by_gpu = {cluster.beats[i].gpu_ids[0]: i for i in cluster.ready_ids()}
+        [stuck_pid], [stopped_pid], [healthy_pid] = (cluster.pids(by_gpu[g]) for g in (0, 1, 2))
+        os.kill(stopped_pid, signal.SIGSTOP)
+
+        def replaced(gpu: int, old_pid: int) -> bool:
+            instance_id = by_gpu[gpu]
+            return (not alive(old_pid) and len(cluster.pids(instance_id)) == 2
+                    and cluster.beats[instance_id].status == WorkerStatus.READY
+                    and cluster.beats[instance_id].step_running_s == 0.0)
+
+        await until(lambda: replaced(0, stuck_pid) and replaced(1, stopped_pid), "both hung workers replaced",
+                    agent, log)
+        assert alive(healthy_pid) and cluster.pids(by_gpu[2]) == [healthy_pid]
+        await nc.close()
+
+    agent, log = start_agent(tmp_path, nats_server.url, unique_prefix, [0, 1, 2], [1, 1, 1],
+                             DLS_NODE_AGENT_HANG_TIMEOUT_S="1.5", FAKE_WORKER_STUCK_GPU="0")
+    try:
+        asyncio.run(main(agent, log))
+        assert stop_agent(agent, log) == 0, log.read_text()[-3000:]
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()
+    text = log.read_text()
+    assert "is hung (a step computing for" in text and "is hung (no heartbeat for" in text, text[-3000:]
