@@ -23,8 +23,18 @@ Early stop: a request stops at the first block that completes an EOS (the rest o
 EOS padding, never decoded), in every cache mode, unless it asked to ``ignore_eos``; the step that
 stops it reports the blocks it skipped (each would have cost one forward at least).
 
-Attention over keys is order-free once RoPE is applied at absolute positions, so a cache step's keys
-are simply ``cached slots outside the fresh window`` followed by the fresh tokens' keys.
+Packed batches: a forward concatenates its requests' fresh tokens into one sequence (no padding);
+attention knows where each request's rows lie (``services/worker/attention.py``: flash-attn's varlen
+kernel on CUDA, SDPA per request elsewhere, the same tokens either way). The LM head runs only on the
+rows of each request's current block.
+
+The KV cache is read in place (``services/worker/kv_cache.py``): each cached request owns a
+contiguous run of pages of one pool, slot ``p`` holding position ``p`` with RoPE applied. A recompute
+step writes the positions later cache steps read (all of them for ``dual``, those before the block
+for ``prefix``); a cache step overwrites its fresh window's slots with the fresh keys and values and
+then attends to the request's whole cache where it lies (attention over keys is order-free once RoPE
+is applied at absolute positions, so that is the stale prefix and suffix plus the fresh window).
+Nothing is gathered; :attr:`DLMEngine.last_step_traffic` reports the bytes each step copied and wrote.
 """
 
 from __future__ import annotations
@@ -36,6 +46,16 @@ from pathlib import Path
 
 import torch
 
+from services.worker.attention import (
+    FLASH_PAGE_SIZE,
+    AttentionBackend,
+    CachedAttention,
+    CacheWrite,
+    FreshAttention,
+    Segments,
+    resolve_backend,
+)
+from services.worker.kv_cache import PagedKVCache
 from services.worker.model import DLMForMaskedDiffusion
 from shared.generation import Answer, answer_of, canvas_length
 
@@ -134,15 +154,17 @@ class GenerationResult:
     blocks_skipped: int = 0  # blocks early stop saved
 
 
-@dataclass
-class _Cache:
-    block_index: int  # the block whose start refreshed it
-    kv: torch.Tensor  # [n_layers, 2, H_kv, seq_len, head_dim], RoPE applied
+@dataclass(frozen=True)
+class KVTraffic:
+    """KV-cache bytes one forward moved (every layer, this engine's heads)."""
+
+    copied: int = 0  # stored entries copied elsewhere (a gather, or the pool growing)
+    written: int = 0  # fresh keys and values stored
 
 
 @dataclass
 class _Item:
-    """One request's part of a batched forward."""
+    """One request's part of a packed forward."""
 
     state: RequestState
     threshold: float
@@ -150,7 +172,19 @@ class _Item:
     block: int
     fresh_start: int  # absolute position of the first fresh (input) token
     fresh_ids: list[int]
-    context_index: torch.Tensor | None = None  # cached slots attended to (cache steps)
+    logit_start: int  # index into fresh_ids of the output that predicts the block's first position
+    # recompute steps with a cache: positions 0..num_stored-1 are stored (what this block's cache
+    # steps read without recomputing: all for dual, those before the window for prefix)
+    num_stored: int = 0
+
+    @property
+    def block_size(self) -> int:
+        start, end = self.state.block_bounds(self.block)
+        return end - start
+
+    @property
+    def sequence_length(self) -> int:
+        return len(self.state.prompt_ids) + self.state.gen_length
 
 
 class DLMEngine:
@@ -165,7 +199,13 @@ class DLMEngine:
         stop_at_eos: bool = True,
         name: str = "model",
         max_gen_length: int | None = None,
+        attention: str = "auto",
+        kv_page_size: int | None = None,
+        kv_capacity_tokens: int = 0,
     ) -> None:
+        """``attention``: ``auto`` (flash-attn where it runs, else SDPA), ``flash`` or ``sdpa``.
+        ``kv_page_size``: slots per KV page (flash-attn needs 256; SDPA defaults to 16).
+        ``kv_capacity_tokens``: positions the KV pool holds from the start (it grows when full)."""
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.default_gen_length = default_gen_length
@@ -176,7 +216,15 @@ class DLMEngine:
         self.mask_id = model.config.mask_token_id
         self.eos_id = model.config.eos_token_id
         self.shift = int(getattr(model.config, "logits_shift", 0))
-        self._caches: dict[str, _Cache] = {}  # request id -> its KV cache on this engine
+        block = model.model.transformer.blocks[0]  # a tensor-parallel shard holds only its own heads
+        self.attention = resolve_backend(attention, model.device, model.dtype, block.head_dim)
+        page_size = kv_page_size or (FLASH_PAGE_SIZE if self.attention is AttentionBackend.FLASH else 16)
+        if self.attention is AttentionBackend.FLASH and page_size % FLASH_PAGE_SIZE:
+            raise EngineError(f"flash-attn needs KV pages of a multiple of {FLASH_PAGE_SIZE} slots, got {page_size}")
+        self.kv_cache = PagedKVCache(len(model.model.transformer.blocks), block.n_kv_heads, block.head_dim,
+                                     model.dtype, model.device, page_size, kv_capacity_tokens)
+        self._cache_blocks: dict[str, int] = {}  # request id -> the block whose start refreshed its cache
+        self.last_step_traffic: dict[StepKind, KVTraffic] = {}  # kind -> bytes its forward moved, last step
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, device: str = "cpu", **kwargs) -> DLMEngine:
@@ -212,11 +260,17 @@ class DLMEngine:
                             ignore_eos=ignore_eos)
 
     def drop(self, request_id: str) -> None:
-        """Forget a request's cache (it finished, or moved to another instance)."""
-        self._caches.pop(request_id, None)
+        """Forget a request's cache (it finished, or moved to another instance); its pages are reused."""
+        self._cache_blocks.pop(request_id, None)
+        self.kv_cache.release(request_id)
 
     def has_cache(self, request_id: str) -> bool:
-        return request_id in self._caches
+        return request_id in self._cache_blocks
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes of KV pages held by requests' caches (the pool may hold more, free)."""
+        return self.kv_cache.reserved_bytes
 
     def current_block(self, state: RequestState) -> int:
         first_mask = state.canvas.index(self.mask_id)
@@ -225,8 +279,7 @@ class DLMEngine:
     def next_step_kind(self, state: RequestState) -> StepKind:
         if state.cache_mode is CacheMode.NONE:
             return StepKind.RECOMPUTE
-        cache = self._caches.get(state.request_id)
-        fresh = cache is not None and cache.block_index == self.current_block(state)
+        fresh = self._cache_blocks.get(state.request_id) == self.current_block(state)
         return StepKind.CACHE if fresh else StepKind.RECOMPUTE
 
     # --- the step -------------------------------------------------------------------------------
@@ -235,84 +288,97 @@ class DLMEngine:
     def step(self, batch: list[tuple[RequestState, float]]) -> list[StepResult]:
         """Advance every (state, threshold) by one step; states are updated in place."""
         items = [self._plan(state, tau) for state, tau in batch]
-        full = [it for it in items if it.kind is StepKind.RECOMPUTE]
-        cached = [it for it in items if it.kind is StepKind.CACHE]
         results: dict[str, StepResult] = {}  # request id -> result
-        for group in (full, cached):
+        self.last_step_traffic = {}
+        for kind in (StepKind.RECOMPUTE, StepKind.CACHE):
+            group = [it for it in items if it.kind is kind]
             if group:
-                for item, logits_of in self._forward(group):
-                    results[item.state.request_id] = self._commit(item, logits_of)
+                copied, written = self.kv_cache.bytes_copied, self.kv_cache.bytes_written
+                confidences, tokens = self._forward(group)
+                self.last_step_traffic[kind] = KVTraffic(self.kv_cache.bytes_copied - copied,
+                                                         self.kv_cache.bytes_written - written)
+                offset = 0
+                for item in group:
+                    rows = slice(offset, offset + item.block_size)
+                    results[item.state.request_id] = self._commit(item, confidences[rows], tokens[rows])
+                    offset += item.block_size
         return [results[state.request_id] for state, _ in batch]
 
     def _plan(self, state: RequestState, threshold: float) -> _Item:
+        """What ``state``'s next step runs (no side effects: the tensor-parallel engine validates with it)."""
         if state.finished:
             raise EngineError(f"request {state.request_id} is already finished")
         if not 0.0 <= threshold <= 1.0:
             raise EngineError(f"threshold {threshold} is outside [0, 1]")
         kind, block = self.next_step_kind(state), self.current_block(state)
         sequence = state.prompt_ids + state.canvas
-        if kind is StepKind.RECOMPUTE:
-            return _Item(state, threshold, kind, block, 0, sequence)
         prompt_len = len(state.prompt_ids)
         start, end = state.block_bounds(block)
-        fresh_start = prompt_len + start - self.shift
-        fresh_end = prompt_len + (end if state.cache_mode is CacheMode.DUAL else state.gen_length)
-        context = torch.cat((torch.arange(0, fresh_start), torch.arange(fresh_end, len(sequence))))
-        return _Item(state, threshold, kind, block, fresh_start, sequence[fresh_start:fresh_end], context)
+        window_start = prompt_len + start - self.shift  # the output predicting the block's first position
+        if kind is StepKind.RECOMPUTE:
+            stored = {CacheMode.NONE: 0, CacheMode.PREFIX: window_start, CacheMode.DUAL: len(sequence)}
+            return _Item(state, threshold, kind, block, 0, sequence, window_start, stored[state.cache_mode])
+        window_end = prompt_len + (end if state.cache_mode is CacheMode.DUAL else state.gen_length)
+        return _Item(state, threshold, kind, block, window_start, sequence[window_start:window_end], 0)
 
-    def _forward(self, group: list[_Item]):
-        """One batched forward; yields (item, function from absolute position to its logits row)."""
+    def _forward(self, group: list[_Item]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One packed forward; the confidence and token of every item's block positions, in order, on the CPU."""
         device = self.model.device
-        width = max(len(it.fresh_ids) for it in group)
-        ids = torch.full((len(group), width), self.eos_id, dtype=torch.long)
-        positions = torch.zeros((len(group), width), dtype=torch.long)
-        valid = torch.zeros((len(group), width), dtype=torch.bool)
-        for row, it in enumerate(group):
-            n = len(it.fresh_ids)
-            ids[row, width - n :] = torch.tensor(it.fresh_ids)
-            positions[row, width - n :] = torch.arange(it.fresh_start, it.fresh_start + n)
-            valid[row, width - n :] = True
-        context_kv, context_valid = self._gather_context(group)
-        wants_kv = any(it.kind is StepKind.RECOMPUTE and it.state.cache_mode is not CacheMode.NONE for it in group)
-        out = self.model(
-            ids.to(device), attention_mask=valid.to(device), position_ids=positions.to(device),
-            context_kv=context_kv, context_valid=context_valid, return_kv=wants_kv,
+        segments = Segments(tuple(len(it.fresh_ids) for it in group))
+        ids = torch.tensor([t for it in group for t in it.fresh_ids])
+        positions = torch.cat([torch.arange(it.fresh_start, it.fresh_start + len(it.fresh_ids)) for it in group])
+        logit_rows = torch.cat([torch.arange(start + it.logit_start, start + it.logit_start + it.block_size)
+                                for it, start in zip(group, segments.starts, strict=True)])
+        attention = self._attention(group, segments)
+        logits = self.model.forward_packed(
+            ids.to(device), positions.to(device), attention, logit_rows.to(device),
+            max_position=max(it.fresh_start + len(it.fresh_ids) for it in group) - 1,
         )
-        if wants_kv:
-            self._store_caches(group, torch.stack([torch.stack(kv) for kv in out.kv]), width)
-        for row, it in enumerate(group):
-            offset = width - len(it.fresh_ids) - it.fresh_start - self.shift
-            yield it, (lambda pos, row=row, offset=offset: out.logits[row, pos + offset])
-
-    def _gather_context(self, group: list[_Item]):
         if group[0].kind is StepKind.RECOMPUTE:
-            return None, None
-        sizes = [len(it.context_index) for it in group]
-        first = self._caches[group[0].state.request_id].kv
-        n_layers, _, heads, _, head_dim = first.shape
-        buffer = first.new_zeros((n_layers, 2, len(group), heads, max(sizes), head_dim))
-        valid = torch.zeros((len(group), max(sizes)), dtype=torch.bool)
-        for row, (it, size) in enumerate(zip(group, sizes, strict=True)):
-            kv = self._caches[it.state.request_id].kv
-            buffer[:, :, row, :, buffer.shape[4] - size :] = kv.index_select(3, it.context_index.to(kv.device))
-            valid[row, buffer.shape[4] - size :] = True
-        return [(buffer[i, 0], buffer[i, 1]) for i in range(n_layers)], valid.to(first.device)
+            for it in group:
+                if it.state.cache_mode is not CacheMode.NONE:
+                    self._cache_blocks[it.state.request_id] = it.block
+        return self._confidences(logits)
 
-    def _store_caches(self, group: list[_Item], kv: torch.Tensor, width: int) -> None:
-        # kv: [n_layers, 2, B, H_kv, width, head_dim]
-        for row, it in enumerate(group):
-            if it.state.cache_mode is not CacheMode.NONE:
-                n = len(it.fresh_ids)
-                self._caches[it.state.request_id] = _Cache(it.block, kv[:, :, row, :, width - n :].clone())
+    def _attention(self, group: list[_Item], segments: Segments):
+        if group[0].kind is StepKind.RECOMPUTE:
+            return FreshAttention(self.attention, segments, self.model.device, self._recompute_writes(group, segments))
+        extents = [self.kv_cache.extent(it.state.request_id) for it in group]
+        slots = torch.cat([self.kv_cache.slots(e, it.fresh_start, it.fresh_start + len(it.fresh_ids))
+                           for it, e in zip(group, extents, strict=True)])
+        write = CacheWrite(self.kv_cache, slots.to(self.model.device))
+        return CachedAttention(self.attention, segments, self.kv_cache, extents, write)
 
-    def _commit(self, item: _Item, logits_of: Callable[[int], torch.Tensor]) -> StepResult:
+    def _recompute_writes(self, group: list[_Item], segments: Segments) -> CacheWrite | None:
+        """Where a recompute step stores keys and values: each caching item's first ``num_stored`` rows."""
+        rows, slots = [], []
+        caching = [(it, start) for it, start in zip(group, segments.starts, strict=True)
+                   if it.state.cache_mode is not CacheMode.NONE]
+        self.kv_cache.make_room([(it.state.request_id, it.sequence_length) for it, _ in caching])
+        for it, start in caching:
+            extent = self.kv_cache.reserve(it.state.request_id, it.sequence_length)
+            rows.append(torch.arange(start, start + it.num_stored))
+            slots.append(self.kv_cache.slots(extent, 0, it.num_stored))
+        if not rows:
+            return None
+        rows_t, device = torch.cat(rows), self.model.device
+        every_row = len(rows_t) == segments.total  # then no row needs selecting
+        return CacheWrite(self.kv_cache, torch.cat(slots).to(device), None if every_row else rows_t.to(device))
+
+    def _confidences(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top probability and token of each row, the mask token excluded, moved to the CPU at once."""
+        rows = logits.float()
+        rows[:, self.mask_id] = float("-inf")  # the mask token is never an answer
+        confidence, tokens = torch.softmax(rows, dim=-1).max(dim=-1)
+        return confidence.cpu(), tokens.cpu()
+
+    def _commit(self, item: _Item, block_confidence: torch.Tensor, block_tokens: torch.Tensor) -> StepResult:
+        """Commit ``item``'s masked block positions by the threshold rule, given every block position's top."""
         state = item.state
-        prompt_len = len(state.prompt_ids)
         start, end = state.block_bounds(item.block)
         masked = [i for i in range(start, end) if state.canvas[i] == self.mask_id]
-        rows = torch.stack([logits_of(prompt_len + i) for i in masked]).float()
-        rows[:, self.mask_id] = float("-inf")  # the mask token is never an answer
-        conf, tokens = torch.softmax(rows, dim=-1).max(dim=-1)
+        index = torch.tensor([i - start for i in masked])
+        conf, tokens = block_confidence[index], block_tokens[index]
         chosen = conf > item.threshold
         chosen[torch.argmax(conf)] = True
         committed = [(masked[j], int(tokens[j])) for j in torch.nonzero(chosen).flatten().tolist()]

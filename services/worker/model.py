@@ -6,14 +6,24 @@ Parameter names follow the public LLaDA checkpoint layout
 up_proj, ff_out}, ln_f, ff_out}``), so LLaDA weights load without renaming. Options cover the
 Dream family too: grouped-query attention, q/k/v biases, and logits shifted by one position.
 
-Beyond ``input_ids``/``attention_mask``, ``forward`` takes what the denoising engine needs for the
-approximate KV cache: ``context_kv`` (keys and values of cached positions, per layer, RoPE already
-applied), ``context_valid`` (which cached slots are real) and ``return_kv`` (hand back the fresh
-keys and values, to become the cache).
+Two forwards:
+
+* ``forward``: a padded batch ``[B, Q]`` (training, the reference decoder, tensor-parallel
+  ``forward_logits``). Beyond ``input_ids``/``attention_mask`` it takes what a plain KV cache needs:
+  ``context_kv`` (keys and values of cached positions, per layer, RoPE already applied),
+  ``context_valid`` (which cached slots are real) and ``return_kv`` (hand back the fresh keys and
+  values, to become the cache).
+* ``forward_packed``: the engine's path. The batch's fresh tokens are one sequence ``[T]`` with no
+  padding; attention is a callable (``services/worker/attention.py``) that knows where each
+  request's rows and cached keys lie; logits are computed only for the rows asked for.
+
+RoPE: cos/sin come from a table built once per model and device (rows looked up by position, once
+per forward, shared by every layer), so cached keys and fresh ones are rotated by the same numbers.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -86,12 +96,37 @@ class RMSNorm(nn.Module):
         return (x * self.weight.float()).to(dtype)
 
 
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """cos/sin tables [B, 1, Q, Dh] for absolute ``positions`` [B, Q]."""
+def rope_angles(positions: torch.Tensor, head_dim: int, theta: float) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
     freqs = positions.to(torch.float32)[..., None] * inv_freq
-    emb = torch.cat((freqs, freqs), dim=-1)[:, None]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    return torch.cat((freqs, freqs), dim=-1)
+
+
+class RopeTable:
+    """cos/sin of every position up to the longest seen, float32, built once per device (grows on demand)."""
+
+    def __init__(self, head_dim: int, theta: float, length: int) -> None:
+        self.head_dim, self.theta, self.length = head_dim, theta, length
+        self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # device -> (cos, sin)
+
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype,
+               max_position: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin ``[*positions.shape, Dh]`` in ``dtype``; ``max_position`` (when the caller knows it)
+        spares reading the positions back from the device."""
+        if max_position is None:
+            max_position = int(positions.max()) if positions.numel() else 0
+        cos, sin = self._table(positions.device, max_position + 1)
+        flat = positions.reshape(-1)
+        shape = (*positions.shape, self.head_dim)
+        return cos.index_select(0, flat).view(shape).to(dtype), sin.index_select(0, flat).view(shape).to(dtype)
+
+    def _table(self, device: torch.device, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        table = self._tables.get(device)
+        if table is None or table[0].shape[0] < needed:
+            self.length = max(self.length, needed)
+            angles = rope_angles(torch.arange(self.length, device=device), self.head_dim, self.theta)
+            table = self._tables[device] = (angles.cos(), angles.sin())
+        return table
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -132,9 +167,28 @@ class Block(nn.Module):
             q, k, v, attn_mask=key_mask, enable_gqa=self.n_kv_heads != self.n_heads
         )
         x = x + self.attn_out(attn.transpose(1, 2).reshape(batch, q_len, -1))
+        return self._mlp(x), fresh_kv
+
+    def forward_packed(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: PackedAttend):
+        """``x`` [T, d] (a packed batch); ``cos``/``sin`` [T, 1, Dh]; ``attend(q, k, v)`` -> [T, H, Dh]."""
+        tokens = x.shape[0]
+        h = self.attn_norm(x)
+        q = self.q_proj(h).view(tokens, self.n_heads, self.head_dim)
+        k = self.k_proj(h).view(tokens, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(h).view(tokens, self.n_kv_heads, self.head_dim)
+        attn = attend(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v)
+        x = x + self.attn_out(attn.reshape(tokens, -1))
+        return self._mlp(x)
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         h = self.ff_norm(x)
-        x = x + self.ff_out(F.silu(self.ff_proj(h)) * self.up_proj(h))
-        return x, fresh_kv
+        return x + self.ff_out(F.silu(self.ff_proj(h)) * self.up_proj(h))
+
+
+# One layer's attention over a packed batch: (q [T, H, Dh], k, v [T, H_kv, Dh]) -> [T, H, Dh].
+PackedAttend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# The same for every layer, given the layer's index first.
+PackedAttention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class Transformer(nn.Module):
@@ -163,6 +217,7 @@ class DLMForMaskedDiffusion(PreTrainedModel):
     def __init__(self, config: DLMConfig) -> None:
         super().__init__(config)
         self.model = _Body(config)
+        self.rope = RopeTable(config.head_dim, config.rope_theta, config.max_sequence_length)
         self.post_init()
 
     def _init_weights(self, module: nn.Module) -> None:
@@ -200,7 +255,7 @@ class DLMForMaskedDiffusion(PreTrainedModel):
         key_mask = key_valid[:, None, None, :]
         transformer = self.model.transformer
         x = transformer.wte(input_ids)
-        cos, sin = rope_cos_sin(position_ids, self.config.head_dim, self.config.rope_theta, x.dtype)
+        cos, sin = self.rope.lookup(position_ids[:, None], x.dtype)  # [B, 1, Q, Dh]: once, for every layer
         fresh = []
         for i, block in enumerate(transformer.blocks):
             x, kv = block(x, cos, sin, key_mask, None if context_kv is None else context_kv[i])
@@ -208,6 +263,28 @@ class DLMForMaskedDiffusion(PreTrainedModel):
                 fresh.append(kv)
         logits = transformer.ff_out(transformer.ln_f(x))
         return DLMOutput(logits=logits, kv=fresh if return_kv else None)
+
+    def forward_packed(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attention: PackedAttention,
+        logit_rows: torch.Tensor,
+        max_position: int | None = None,
+    ) -> torch.Tensor:
+        """Logits ``[R, V]`` of the packed rows ``logit_rows`` [R].
+
+        ``input_ids``/``positions`` [T]: every request's fresh tokens one after another, at their
+        absolute positions. ``attention(layer, q, k, v)`` does each layer's attention (and any
+        cache writes). The LM head runs only on ``logit_rows``: a step reads the logits of its
+        current block, not of the whole sequence.
+        """
+        transformer = self.model.transformer
+        x = transformer.wte(input_ids)
+        cos, sin = self.rope.lookup(positions[:, None], x.dtype, max_position)  # [T, 1, Dh]: once, for every layer
+        for i, block in enumerate(transformer.blocks):
+            x = block.forward_packed(x, cos, sin, lambda q, k, v, i=i: attention(i, q, k, v))
+        return transformer.ff_out(transformer.ln_f(x.index_select(0, logit_rows)))
 
     def num_parameters_excluding_embeddings(self) -> int:
         return sum(p.numel() for n, p in self.named_parameters() if "wte" not in n)

@@ -1,7 +1,10 @@
-"""The reference decoder: batch 1, a full forward every step, no cache, no padding.
+"""The reference decoder: batch 1, no padding, the model's plain (padded-batch) forward.
 
 It is deliberately the plainest reading of block-wise threshold decoding, so that every fast path of
-the engine can be tested against it token for token.
+the engine can be tested against it token for token. ``cache`` gives Fast-dLLM's approximate KV cache
+in its plainest form: a full forward at each block start keeps every position's keys and values;
+the block's later steps run the fresh window (the block for ``dual``, the block and everything after
+it for ``prefix``) and attend to a copy of the kept keys and values outside the window.
 """
 
 from __future__ import annotations
@@ -35,8 +38,10 @@ def reference_generate(
     block_length: int,
     threshold: float | Callable[[int], float],
     stop_at_eos: bool = True,
+    cache: str = "none",
 ) -> ReferenceResult:
-    """Decode block by block; ``threshold`` may be a function of the step number (from 0)."""
+    """Decode block by block; ``threshold`` may be a function of the step number (from 0);
+    ``cache``: ``none``, ``prefix`` or ``dual``."""
     mask_id, eos_id = model.config.mask_token_id, model.config.eos_token_id
     shift = model.config.logits_shift
     prompt_len = len(prompt_ids)
@@ -44,14 +49,23 @@ def reference_generate(
     num_steps = 0
     for start in range(0, gen_length, block_length):
         end = min(start + block_length, gen_length)
+        kept = None  # every position's (keys, values) per layer, from this block's first forward
         while True:
             block = x[0, prompt_len + start : prompt_len + end]
             masked = torch.nonzero(block == mask_id).flatten()
             if len(masked) == 0:
                 break
-            logits = model(x).logits[0].float()
+            window_start = prompt_len + start - shift
+            window_end = prompt_len + end if cache == "dual" else x.shape[1]
+            if cache == "none" or kept is None:
+                out = model(x, return_kv=cache != "none")
+                kept, first = out.kv, 0
+            else:
+                out = _cache_step(model, x, kept, window_start, window_end)
+                first = window_start  # the window's first output is that of position window_start
+            logits = out.logits[0].float()
             positions = prompt_len + start + masked  # absolute positions still masked in the block
-            rows = logits[positions - shift]
+            rows = logits[positions - shift - first]
             rows[:, mask_id] = float("-inf")  # the mask token is never an answer
             probs = torch.softmax(rows, dim=-1)
             conf, token = probs.max(dim=-1)
@@ -63,3 +77,12 @@ def reference_generate(
             x[0, prompt_len + end :] = eos_id
             break
     return ReferenceResult(x[0, prompt_len:].tolist(), num_steps)
+
+
+def _cache_step(model: DLMForMaskedDiffusion, x: torch.Tensor, kept, window_start: int, window_end: int):
+    """Run ``x[window_start:window_end]`` against a copy of the kept keys/values outside the window."""
+    outside = torch.cat((torch.arange(0, window_start), torch.arange(window_end, x.shape[1]))).to(x.device)
+    context = [(k.index_select(2, outside), v.index_select(2, outside)) for k, v in kept]
+    positions = torch.arange(window_start, window_end, device=x.device)[None]
+    valid = torch.ones((1, len(outside)), dtype=torch.bool, device=x.device)
+    return model(x[:, window_start:window_end], position_ids=positions, context_kv=context, context_valid=valid)

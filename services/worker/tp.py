@@ -478,6 +478,16 @@ class TensorParallelEngine:
         return self._engine.max_gen_length
 
     @property
+    def last_step_traffic(self):
+        """Rank 0's KV bytes moved in the last step (each rank moves the same for its own heads)."""
+        return self._engine.last_step_traffic
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Rank 0's KV pages held by requests (each rank holds as much for its own heads)."""
+        return self._engine.kv_cache_bytes
+
+    @property
     def name(self) -> str:
         return self._engine.name
 

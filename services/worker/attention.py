@@ -1,0 +1,185 @@
+"""Attention over packed batches: requests' tokens concatenated into one sequence, no padding.
+
+A packed forward carries ``T`` tokens, request ``i`` owning rows ``[starts[i], starts[i] + lengths[i])``.
+Two kinds of attention serve the engine's two step kinds:
+
+* :class:`FreshAttention` (full-sequence steps): each request attends to its own fresh tokens; with
+  a cache it also stores their keys and values (all or the first ``n``) in the KV pool.
+* :class:`CachedAttention` (cache steps): each request's fresh keys and values overwrite their slots
+  of its cache in place, then its queries attend to its whole cache where it lies (the stale prefix
+  and suffix and the fresh window): nothing is gathered.
+
+Backends: ``flash`` uses flash-attn's ``flash_attn_varlen_func`` (with a block table over the pool
+for cache steps); ``sdpa`` runs ``scaled_dot_product_attention`` per request on views of the packed
+tensors and of the pool (one call when every request has the same lengths). Both compute the same
+thing; only the kernel differs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from functools import cached_property
+
+import torch
+import torch.nn.functional as F
+
+from services.worker.kv_cache import Extent, PagedKVCache
+
+FLASH_PAGE_SIZE = 256  # flash-attn 2's paged kernel needs pages of a multiple of 256 slots
+
+
+class AttentionBackend(StrEnum):
+    FLASH = "flash"  # flash-attn's varlen kernel (CUDA, fp16/bf16)
+    SDPA = "sdpa"  # torch's scaled_dot_product_attention, one call per request
+
+
+def flash_attn_importable() -> bool:
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def flash_supports(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    return (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+            and head_dim % 8 == 0 and head_dim <= 256 and flash_attn_importable())
+
+
+def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> AttentionBackend:
+    """``auto``: flash-attn where it runs (CUDA, fp16/bf16, installed), SDPA elsewhere."""
+    if requested == "auto":
+        return AttentionBackend.FLASH if flash_supports(device, dtype, head_dim) else AttentionBackend.SDPA
+    backend = AttentionBackend(requested)
+    if backend is AttentionBackend.FLASH and not flash_supports(device, dtype, head_dim):
+        raise ValueError(f"flash-attn cannot run here (device {device}, dtype {dtype}, head_dim {head_dim}, "
+                         f"installed: {flash_attn_importable()})")
+    return backend
+
+
+@dataclass(frozen=True)
+class Segments:
+    """Consecutive rows of a packed tensor, one run per request."""
+
+    lengths: tuple[int, ...]
+
+    @cached_property
+    def starts(self) -> tuple[int, ...]:
+        out, total = [], 0
+        for n in self.lengths:
+            out.append(total)
+            total += n
+        return tuple(out)
+
+    @property
+    def total(self) -> int:
+        return sum(self.lengths)
+
+    @property
+    def uniform(self) -> bool:
+        return len(set(self.lengths)) == 1
+
+    def cu_seqlens(self, device: torch.device) -> torch.Tensor:
+        """``[0, n0, n0 + n1, ...]`` as flash-attn wants it (int32)."""
+        return torch.tensor((*self.starts, self.total), dtype=torch.int32, device=device)
+
+
+@dataclass
+class CacheWrite:
+    """Fresh rows to store in the pool: packed ``rows`` (None: all of them) go to ``slots``."""
+
+    cache: PagedKVCache
+    slots: torch.Tensor  # [N] slot indices, on the pool's device
+    rows: torch.Tensor | None = None  # [N] packed row indices, on the model's device; None: every row
+
+    def apply(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        if self.rows is not None:
+            k, v = k.index_select(0, self.rows), v.index_select(0, self.rows)
+        self.cache.write(layer, k, v, self.slots)
+
+
+class FreshAttention:
+    """Each request attends to its own fresh tokens (full-sequence steps); optionally stores them."""
+
+    def __init__(self, backend: AttentionBackend, segments: Segments, device: torch.device,
+                 store: CacheWrite | None = None) -> None:
+        self.backend, self.segments, self.store = backend, segments, store
+        if backend is AttentionBackend.FLASH:
+            self._cu_seqlens = segments.cu_seqlens(device)
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``q`` [T, H, D], ``k``/``v`` [T, H_kv, D] with RoPE applied; the attention output [T, H, D]."""
+        if self.store is not None:
+            self.store.apply(layer, k, v)
+        if self.backend is AttentionBackend.FLASH:
+            from flash_attn import flash_attn_varlen_func
+
+            longest = max(self.segments.lengths)
+            return flash_attn_varlen_func(q, k, v, self._cu_seqlens, self._cu_seqlens, longest, longest, causal=False)
+        if self.segments.uniform:
+            return _sdpa_uniform(q, k, v, len(self.segments.lengths))
+        ranges = list(zip(self.segments.starts, self.segments.lengths, strict=True))
+        return _sdpa_per_request(q, k, v, ranges, ranges)
+
+
+class CachedAttention:
+    """Cache steps: fresh keys/values overwrite their slots, then queries read the request's cache in place."""
+
+    def __init__(self, backend: AttentionBackend, segments: Segments, cache: PagedKVCache,
+                 extents: Sequence[Extent], write: CacheWrite) -> None:
+        self.backend, self.segments, self.cache, self.write = backend, segments, cache, write
+        self.extents = list(extents)
+        if backend is AttentionBackend.FLASH:
+            device = cache.pool.device
+            self._cu_q = segments.cu_seqlens(device)
+            self._cu_k = Segments(tuple(e.num_tokens for e in extents)).cu_seqlens(device)
+            self._block_table = _block_table(self.extents, device)
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        self.write.apply(layer, k, v)
+        if self.backend is AttentionBackend.FLASH:
+            from flash_attn import flash_attn_varlen_func
+
+            keys, values = self.cache.layer_pages(layer)
+            return flash_attn_varlen_func(
+                q, keys, values, self._cu_q, self._cu_k, max(self.segments.lengths),
+                max(e.num_tokens for e in self.extents), causal=False, block_table=self._block_table,
+            )
+        keys, values = self.cache.layer_slots(layer)
+        key_ranges = [(e.first_slot(self.cache.page_size), e.num_tokens) for e in self.extents]
+        query_ranges = list(zip(self.segments.starts, self.segments.lengths, strict=True))
+        return _sdpa_per_request(q, keys, values, query_ranges, key_ranges)
+
+
+def _block_table(extents: Sequence[Extent], device: torch.device) -> torch.Tensor:
+    """One row of page ids per request (its consecutive pages, then zeros that are never read)."""
+    table = torch.zeros((len(extents), max(e.num_pages for e in extents)), dtype=torch.int32)
+    for row, e in enumerate(extents):
+        table[row, : e.num_pages] = torch.arange(e.first_page, e.first_page + e.num_pages, dtype=torch.int32)
+    return table.to(device)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """SDPA over ``[B, n, H, D]`` layouts (views; heads moved to dim 1 without copying)."""
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         enable_gqa=k.shape[2] != q.shape[2])
+    return out.transpose(1, 2)
+
+
+def _sdpa_uniform(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int) -> torch.Tensor:
+    """Every request has the same length: one call over ``[B, n, H, D]`` views of the packed rows."""
+    def split(x):
+        return x.view(batch, -1, *x.shape[1:])
+
+    return _sdpa(split(q), split(k), split(v)).reshape(q.shape)
+
+
+def _sdpa_per_request(q, k, v, query_ranges, key_ranges) -> torch.Tensor:
+    """One call per request: its query rows against its key rows (both views)."""
+    out = q.new_empty(q.shape)
+    for (q_start, q_len), (k_start, k_len) in zip(query_ranges, key_ranges, strict=True):
+        keys, values = k[k_start : k_start + k_len], v[k_start : k_start + k_len]
+        out[q_start : q_start + q_len] = _sdpa(q[None, q_start : q_start + q_len], keys[None], values[None])[0]
+    return out
