@@ -150,6 +150,11 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a == "--arch" or a.startswith("--arch=") for a in argv):  # speed on a random model: bench/engine_speed.py
+        from bench import engine_speed
+
+        return engine_speed.main(argv)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", help="write the figures to this path too")
     parser.add_argument("--model", default="models/dls-tiny")

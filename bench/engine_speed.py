@@ -1,0 +1,279 @@
+"""Engine speed on a random-weight LLaDA-architecture model: tokens/s by batch, and KV bytes moved.
+
+    python -m bench.engine --device cuda --arch llada-8b --json runs/bench-engine-speed.json
+    python -m bench.engine_speed --device cpu --arch llada-small        # the same module, directly
+
+Three implementations decode the same random prompts (gen ``--gen-length``, blocks of
+``--block-length``, every request the same prompt length, EOS ignored so every canvas is decoded):
+
+* ``engine``: ``DLMEngine``, dual cache, threshold ``--threshold``, attention ``auto`` (flash-attn's
+  varlen kernel where it is installed on CUDA, SDPA elsewhere);
+* ``engine_sdpa``: the same with SDPA attention (CUDA only: on a CPU it is ``engine``);
+* ``no_cache_loop``: LLaDA's plain loop, the baseline Fast-dLLM compares with: a full forward over
+  the padded batch every step, one token committed per request per step (the most confident masked
+  position of the current block).
+
+Figures:
+
+* ``tokens_per_s_by_batch`` {impl: {batch: committed tokens per second}}. The engine runs the first
+  ``--blocks`` blocks of the canvas (each block: one recompute step, then cache steps; every block
+  costs the same with the dual cache, whose steps read the whole canvas); the no-cache loop runs
+  ``--loop-steps`` steps, which all cost the same. Both after one warm-up round.
+* ``tokens_per_step_by_batch``: committed tokens per request per step (random weights are rarely
+  confident, so the engine commits about one token per step, like the loop: the speed-up is the
+  cache and batching, not parallel decoding).
+* ``kv_bytes_copied_per_cache_step`` / ``kv_bytes_written_per_cache_step``: per cache-step forward
+  (the batch's cache steps run as one forward), at batch 8 (else the largest batch measured), from
+  the engine's own counters; ``kv_bytes_by_batch`` has every batch, and ``gathered_before``: what the
+  engine's earlier gather of every request's context into a padded buffer copied for the same
+  steps (computed: context positions times bytes per position).
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+
+from bench.common import emit_json
+from services.worker.engine import CacheMode, DLMEngine, StepKind
+from services.worker.model import DLMConfig, DLMForMaskedDiffusion
+
+
+@dataclass(frozen=True)
+class Arch:
+    config: dict
+    dtype: torch.dtype
+    prompt_length: int
+
+
+LLADA_8B = dict(vocab_size=126464, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32, mlp_hidden_size=12288,
+                rope_theta=500000.0, max_sequence_length=4096, mask_token_id=126336, eos_token_id=126081,
+                pad_token_id=126081)
+ARCHS = {
+    # LLaDA-8B's shape (the public checkpoint's config), bf16
+    "llada-8b": Arch(LLADA_8B, torch.bfloat16, 256),
+    # the same blocks, small enough for a 2-core CPU (vocabulary cut so the LM head does not dominate)
+    "llada-small": Arch(dict(LLADA_8B, vocab_size=4096, d_model=256, n_layers=4, n_heads=4, n_kv_heads=4,
+                             mlp_hidden_size=768, mask_token_id=4095, eos_token_id=4094, pad_token_id=4094),
+                        torch.float32, 64),
+    "llada-tiny": Arch(dict(LLADA_8B, vocab_size=256, d_model=64, n_layers=2, n_heads=2, n_kv_heads=2,
+                            mlp_hidden_size=128, mask_token_id=255, eos_token_id=254, pad_token_id=254),
+                       torch.float32, 16),
+}
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def random_model(arch: Arch, device: str, seed: int) -> DLMForMaskedDiffusion:
+    """Random weights (the model's own init), built on ``device`` directly."""
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = DLMForMaskedDiffusion(DLMConfig(**arch.config))
+    return model.to(arch.dtype).eval()
+
+
+def random_prompts(config: DLMConfig, batch: int, length: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    ordinary = min(config.mask_token_id, config.eos_token_id, config.pad_token_id)  # ids below the special ones
+    return torch.randint(0, ordinary, (batch, length), generator=g).tolist()
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+# --- the engine ---------------------------------------------------------------------------------
+
+
+@dataclass
+class EngineRun:
+    tokens: int = 0
+    steps: int = 0  # request-steps
+    seconds: float = 0.0
+    cache_forwards: int = 0
+    copied: int = 0
+    written: int = 0
+    gathered_before: int = 0
+
+
+def run_engine(engine: DLMEngine, prompts, args, tag: str) -> EngineRun:
+    """Decode the first ``args.blocks`` blocks of every request (dual cache) and count what moved."""
+    states = [engine.new_request(f"{tag}{i}", p, args.gen_length, args.block_length, CacheMode.DUAL, ignore_eos=True)
+              for i, p in enumerate(prompts)]
+    per_token = engine.kv_cache.bytes_per_token
+    run = EngineRun()
+    active = [(s, args.threshold) for s in states]
+    _sync(args.device)
+    began = time.perf_counter()
+    while active:
+        context = sum(_context_length(s, engine) for s, _ in active if engine.next_step_kind(s) is StepKind.CACHE)
+        results = engine.step(active)
+        run.tokens += sum(len(r.committed_positions) for r in results)
+        run.steps += len(results)
+        traffic = engine.last_step_traffic.get(StepKind.CACHE)
+        if traffic is not None:
+            run.cache_forwards += 1
+            run.copied += traffic.copied
+            run.written += traffic.written
+            run.gathered_before += context * per_token
+        active = [(s, t) for s, t in active if not s.finished and engine.current_block(s) < args.blocks]
+    _sync(args.device)
+    run.seconds = time.perf_counter() - began
+    for s in states:
+        engine.drop(s.request_id)
+    return run
+
+
+def _context_length(state, engine: DLMEngine) -> int:
+    """Positions outside a dual-cache step's window: what the old gather copied for it."""
+    start, end = state.block_bounds(engine.current_block(state))
+    return len(state.prompt_ids) + state.gen_length - (end - start + engine.shift)
+
+
+# --- LLaDA's plain loop -------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def run_no_cache_loop(model: DLMForMaskedDiffusion, prompts, args) -> tuple[int, float]:
+    """(tokens committed, seconds) over ``args.loop_steps`` steps of the plain loop."""
+    config = model.config
+    prompt_len = len(prompts[0])
+    x = torch.tensor([p + [config.mask_token_id] * args.gen_length for p in prompts], device=model.device)
+    rows = torch.arange(len(prompts), device=model.device)
+    _sync(args.device)
+    began = time.perf_counter()
+    for step in range(args.loop_steps):
+        start = prompt_len + (step // args.block_length) * args.block_length  # one token per step per block slot
+        end = start + args.block_length
+        logits = model(x).logits[:, start:end].float()
+        logits[..., config.mask_token_id] = float("-inf")
+        confidence, tokens = torch.softmax(logits, dim=-1).max(dim=-1)
+        confidence[x[:, start:end] != config.mask_token_id] = float("-inf")  # committed positions stay
+        best = confidence.argmax(dim=-1)
+        x[rows, start + best] = tokens[rows, best]
+    _sync(args.device)
+    return args.loop_steps * len(prompts), time.perf_counter() - began
+
+
+# --- the benchmark ------------------------------------------------------------------------------
+
+
+def measure(args: argparse.Namespace) -> dict:
+    arch = ARCHS[args.arch]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = random_model(arch, args.device, args.seed)
+    prompt_length = args.prompt_length or arch.prompt_length
+    engines = {"engine": DLMEngine(model, stop_at_eos=False)}
+    if args.device.startswith("cuda"):
+        engines["engine_sdpa"] = DLMEngine(model, stop_at_eos=False, attention="sdpa")
+    log(f"{args.arch}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, {arch.dtype}, "
+        f"{args.device}, prompt {prompt_length}, gen {args.gen_length}, block {args.block_length}; "
+        + ", ".join(f"{name}: {e.attention.value}" for name, e in engines.items()))
+    tokens_per_s: dict[str, dict[str, float]] = {name: {} for name in [*engines, "no_cache_loop"]}  # impl -> batch -> tok/s
+    tokens_per_step: dict[str, dict[str, float]] = {name: {} for name in engines}  # impl -> batch -> tokens/step
+    kv_by_batch: dict[str, dict[str, int]] = {}  # batch -> figure -> bytes per cache step
+    for batch in args.batches:
+        prompts = random_prompts(model.config, batch, prompt_length, args.seed + batch)
+        for name, engine in engines.items():
+            run_engine(engine, prompts, _warm_up(args), f"w{name}{batch}-")
+            run = run_engine(engine, prompts, args, f"{name}{batch}-")
+            tokens_per_s[name][str(batch)] = round(run.tokens / run.seconds, 2)
+            tokens_per_step[name][str(batch)] = round(run.tokens / run.steps, 3)
+            if name == "engine" and run.cache_forwards:
+                kv_by_batch[str(batch)] = {
+                    "copied": run.copied // run.cache_forwards, "written": run.written // run.cache_forwards,
+                    "gathered_before": run.gathered_before // run.cache_forwards,
+                }
+            log(f"batch {batch} {name}: {tokens_per_s[name][str(batch)]} tok/s ({run.tokens} tokens, "
+                f"{run.seconds:.2f}s), kv per cache step {kv_by_batch.get(str(batch))}")
+        run_no_cache_loop(model, prompts, _warm_up(args))
+        tokens, seconds = run_no_cache_loop(model, prompts, args)
+        tokens_per_s["no_cache_loop"][str(batch)] = round(tokens / seconds, 2)
+        log(f"batch {batch} no_cache_loop: {tokens_per_s['no_cache_loop'][str(batch)]} tok/s")
+    kv_batch = "8" if "8" in kv_by_batch else max(kv_by_batch, key=int, default=None)
+    kv = kv_by_batch.get(kv_batch, {})
+    return {
+        "arch": args.arch,
+        "device": args.device,
+        "device_name": _device_name(args.device),
+        "dtype": str(arch.dtype).removeprefix("torch."),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "prompt_length": prompt_length,
+        "gen_length": args.gen_length,
+        "block_length": args.block_length,
+        "threshold": args.threshold,
+        "cache_mode": "dual",
+        "batches": list(args.batches),
+        "attention_backend": {name: e.attention.value for name, e in engines.items()},
+        "tokens_per_s_by_batch": tokens_per_s,
+        "tokens_per_step_by_batch": tokens_per_step,
+        "ratios": _ratios(tokens_per_s),
+        "kv_bytes_batch": int(kv_batch) if kv_batch else None,
+        "kv_bytes_copied_per_cache_step": kv.get("copied"),
+        "kv_bytes_written_per_cache_step": kv.get("written"),
+        "kv_bytes_by_batch": kv_by_batch,
+        "kv_bytes_per_token": engines["engine"].kv_cache.bytes_per_token,
+        "measured": {"engine_blocks": args.blocks, "no_cache_loop_steps": args.loop_steps},
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def _warm_up(args: argparse.Namespace) -> argparse.Namespace:
+    """The same run, shortened: one block of the engine, two steps of the loop."""
+    return argparse.Namespace(**{**vars(args), "blocks": 1, "loop_steps": 2})
+
+
+def _ratios(tokens_per_s: dict[str, dict[str, float]]) -> dict[str, float]:
+    engine, loop = tokens_per_s["engine"], tokens_per_s["no_cache_loop"]
+    out = {f"engine_over_no_cache_loop_at_batch_{b}": round(engine[b] / loop[b], 3) for b in engine}
+    if "1" in engine and "8" in engine:
+        out["engine_batch8_over_batch1"] = round(engine["8"] / engine["1"], 3)
+        out["engine_batch8_over_no_cache_loop_batch1"] = round(engine["8"] / loop["1"], 3)
+    return out
+
+
+def _device_name(device: str) -> str:
+    if device.startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.get_device_name(torch.device(device))
+    return f"{platform.processor() or platform.machine()} ({torch.get_num_threads()} threads)"
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--arch", choices=sorted(ARCHS), required=True)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--json", help="write the figures to this path too")
+    p.add_argument("--batches", type=lambda s: [int(b) for b in s.split(",")], default=None,
+                   help="comma-separated batch sizes (default: 1,8,32 on CUDA, 1,8 on a CPU)")
+    p.add_argument("--gen-length", type=int, default=256)
+    p.add_argument("--block-length", type=int, default=32)
+    p.add_argument("--threshold", type=float, default=0.9)
+    p.add_argument("--prompt-length", type=int, default=0, help="default: the architecture's")
+    p.add_argument("--blocks", type=int, default=0, help="blocks the engine decodes (default: 2 on CUDA, all on a CPU)")
+    p.add_argument("--loop-steps", type=int, default=8, help="steps of the no-cache loop timed")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    cuda = args.device.startswith("cuda")
+    args.batches = args.batches or ([1, 8, 32] if cuda else [1, 8])
+    args.blocks = args.blocks or (2 if cuda else -(-args.gen_length // args.block_length))
+    emit_json(measure(args), args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
