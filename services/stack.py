@@ -26,6 +26,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from shared.cli import CliError
+from shared.redis_target import SENTINEL_SCHEME
 from shared.settings import redact_urls
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
@@ -261,7 +262,9 @@ def _up(args) -> int:
         signal.signal(signum, on_signal)
     try:
         for url, port, start, name in ((nats_url, 4222, start_nats, "NATS"), (redis_url, 6379, start_redis, "Redis")):
-            if _listening(url, port):
+            if url.startswith(SENTINEL_SCHEME + "://"):  # a replicated Redis: the operator runs it
+                print(f"{name}: using the primary its Sentinels name at {redact_urls(url)}", flush=True)
+            elif _listening(url, port):
                 print(f"{name}: using the server at {redact_urls(url)}", flush=True)
             else:
                 print(f"{name}: starting a server at {redact_urls(url)}", flush=True)

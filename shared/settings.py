@@ -34,7 +34,9 @@ class ServiceSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, populate_by_name=True, extra="ignore")
 
     nats_url: str = Field("nats://127.0.0.1:4222", description="NATS server URL(s), comma-separated")
-    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis URL of the request-state store")
+    redis_url: str = Field("redis://127.0.0.1:6379/0",
+                           description="Redis of the request-state store: redis://host:port/db, or "
+                                       "redis+sentinel://host:port,.../<master>/db (shared/redis_target.py)")
     subject_prefix: str = Field(DEFAULT_PREFIX, description="prefix of every NATS subject and of the intake stream")
     redis_key_prefix: str = Field(DEFAULT_PREFIX, description="prefix of every Redis key")
     max_payload_bytes: int = Field(DEFAULT_MAX_PAYLOAD_BYTES, gt=0,

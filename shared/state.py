@@ -24,6 +24,7 @@ Cluster all keys would need one hash slot; the design runs a replicated (not sha
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +35,9 @@ import msgspec
 
 from shared.generation import Answer, answer_of
 from shared.messages.base import CacheMode, ConfidenceStats, StepKind
+from shared.redis_target import parse_redis_url, sentinel_client
+
+logger = logging.getLogger("dls.state")
 
 DEFAULT_COMPLETED_TTL_S = 3600.0
 
@@ -412,25 +416,36 @@ REDIS_BACKOFF_BASE_S = 0.05  # first pause; doubles per retry
 
 
 def redis_client(url: str, **kwargs):
-    """A ``redis.asyncio.Redis`` that rides out a Redis restart: calls that hit a dropped connection
-    (``ConnectionError``, ``TimeoutError``) reconnect and retry with exponential back-off."""
+    """A ``redis.asyncio.Redis`` on ``url`` (one server, or the primary named by Sentinels:
+    ``shared.redis_target``) that rides out a restart or a failover: calls that hit a dropped connection
+    (``ConnectionError``, ``TimeoutError``; a Sentinel client also on a primary that became a replica)
+    reconnect, to the current primary, and retry with exponential back-off."""
     import redis.asyncio as aioredis
     from redis.asyncio.retry import Retry
     from redis.backoff import ExponentialBackoff
 
+    target = parse_redis_url(url)
     retry = Retry(ExponentialBackoff(cap=REDIS_BACKOFF_CAP_S, base=REDIS_BACKOFF_BASE_S), REDIS_RETRIES)
     kwargs.setdefault("health_check_interval", 10)
-    return aioredis.from_url(url, decode_responses=False, retry=retry, **kwargs)
+    if not target.replicated:
+        return aioredis.from_url(target.url, decode_responses=False, retry=retry, **kwargs)
+    return sentinel_client(target, retry=retry, decode_responses=False, **kwargs)
 
 
 class RedisStateStore:
     """The ``StateStore`` on Redis (``redis.asyncio``); batch calls are one pipelined round trip."""
 
-    def __init__(self, client, prefix: str = "dls", completed_ttl_s: float = DEFAULT_COMPLETED_TTL_S) -> None:
-        """``client``: a ``redis.asyncio.Redis`` with ``decode_responses=False`` (records are bytes)."""
+    def __init__(self, client, prefix: str = "dls", completed_ttl_s: float = DEFAULT_COMPLETED_TTL_S,
+                 wait_replicas: int = 0, wait_timeout_ms: int = 1000) -> None:
+        """``client``: a ``redis.asyncio.Redis`` with ``decode_responses=False`` (records are bytes);
+        ``wait_replicas``: every write waits (Redis ``WAIT``, up to ``wait_timeout_ms``) until that many
+        replicas hold it, so a failover to one of them cannot lose it."""
         self._redis = client
         self.prefix = prefix
         self.completed_ttl_s = completed_ttl_s
+        self.wait_replicas = wait_replicas
+        self.wait_timeout_ms = wait_timeout_ms
+        self.num_unreplicated = 0  # writes whose WAIT timed out short of wait_replicas
         self._create = client.register_script(_CREATE)
         self._save = client.register_script(_SAVE)
         self._append = client.register_script(_APPEND)
@@ -439,7 +454,8 @@ class RedisStateStore:
     @classmethod
     def from_url(cls, url: str, prefix: str = "dls",
                  completed_ttl_s: float = DEFAULT_COMPLETED_TTL_S) -> RedisStateStore:
-        return cls(redis_client(url), prefix, completed_ttl_s)
+        target = parse_redis_url(url)
+        return cls(redis_client(url), prefix, completed_ttl_s, target.wait_replicas, target.wait_timeout_ms)
 
     # keys
 
@@ -457,8 +473,8 @@ class RedisStateStore:
 
     async def create(self, record: RequestRecord) -> RequestRecord:
         stored = msgspec.structs.replace(record, version=1)
-        created = await self._create(
-            keys=[self.record_key(record.request_id), self.in_flight_key],
+        created = await self._write(
+            self._create, keys=[self.record_key(record.request_id), self.in_flight_key],
             args=[_record_encoder.encode(stored), record.request_id, repr(record.arrival_time),
                   int(stored.is_terminal), self._ttl_ms],
         )
@@ -481,7 +497,7 @@ class RedisStateStore:
                 for rid, data in zip(request_ids, replies, strict=True)]
 
     async def save(self, record: RequestRecord, new_steps: Sequence[StepRecord] = ()) -> RequestRecord:
-        reply = await self._save(**self._save_call(record, new_steps))
+        reply = await self._write(self._save, **self._save_call(record, new_steps))
         return self._saved(record, reply)
 
     async def save_many(
@@ -503,7 +519,7 @@ class RedisStateStore:
             keys += (self.record_key(rid), self.steps_key(rid))
             args += (record.version, encode(written), rid, int(written.is_terminal), len(steps))
             args += [encode(step) for step in steps]
-        flat = await self._save_many(keys=keys, args=args)
+        flat = await self._write(self._save_many, keys=keys, args=args)
         replies = [flat[i:i + 2] for i in range(0, len(flat), 2)]
         for record, reply in zip(records, replies, strict=True):
             try:
@@ -515,8 +531,8 @@ class RedisStateStore:
         return result
 
     async def append_steps(self, request_id: str, steps: Sequence[StepRecord]) -> int:
-        length = await self._append(
-            keys=[self.record_key(request_id), self.steps_key(request_id)],
+        length = await self._write(
+            self._append, keys=[self.record_key(request_id), self.steps_key(request_id)],
             args=[_record_encoder.encode(step) for step in steps],
         )
         if length < 0:
@@ -534,6 +550,33 @@ class RedisStateStore:
         await self._redis.aclose()
 
     # helpers
+
+    async def _write(self, script, keys: list, args: list):
+        """Run a write script; with ``wait_replicas``, in one round trip with a ``WAIT`` after it (WAIT
+        counts the writes of its own connection, hence the pipeline)."""
+        if not self.wait_replicas:
+            return await script(keys=keys, args=args)
+        from redis.exceptions import NoScriptError
+
+        for attempt in range(2):
+            pipe = self._redis.pipeline(transaction=False)
+            pipe.evalsha(script.sha, len(keys), *keys, *args)
+            pipe.execute_command("WAIT", self.wait_replicas, self.wait_timeout_ms)
+            try:
+                reply, num_replicas = await pipe.execute()
+            except NoScriptError:  # a new primary (failover) or a restarted server: load it, go again
+                if attempt:
+                    raise
+                await self._redis.script_load(script.script)
+                continue
+            if int(num_replicas) < self.wait_replicas:
+                self.num_unreplicated += 1
+                if self.num_unreplicated in (1, 10, 100) or self.num_unreplicated % 1000 == 0:
+                    logger.warning("a state write reached %s of %d replicas within %d ms (%d such writes): a "
+                                   "failover now could lose it", num_replicas, self.wait_replicas,
+                                   self.wait_timeout_ms, self.num_unreplicated)
+            return reply
+        raise AssertionError("unreachable")
 
     @property
     def _ttl_ms(self) -> int:
