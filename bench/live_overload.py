@@ -42,7 +42,7 @@ def start_stack(policy: str, args, run_dir: Path) -> tuple[subprocess.Popen, str
             raise RuntimeError(f"dls up exited ({process.returncode}); see {run_dir.with_suffix('.log')}")
         try:
             with urllib.request.urlopen(f"{url}/readyz", timeout=2) as reply:
-                if reply.status == 200:
+                if reply.status == 200 and json.loads(reply.read())["serving"]:  # a worker is up too
                     return process, url
         except OSError:
             pass

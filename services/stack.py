@@ -216,8 +216,10 @@ def wait_ready(url: str, stack: Stack, timeout_s: float) -> None:
         stack.check_alive()
         try:
             with urllib.request.urlopen(f"{url}/readyz", timeout=2) as reply:
-                if reply.status == 200:
+                body = json.loads(reply.read())
+                if reply.status == 200 and body["serving"]:  # the gateway can serve, and a worker is up
                     return
+                last = body["detail"].get("worker", "no READY worker yet")
         except urllib.error.HTTPError as exc:
             last = exc.read().decode(errors="replace")[:200]
         except OSError as exc:

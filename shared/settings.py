@@ -100,6 +100,10 @@ class GatewaySettings(ServiceSettings):
                                    "minute, counted in Redis; 0: no limit", ge=0)
     max_in_flight: int = _own("gateway", "max_in_flight", 1024,
                               "most requests this gateway holds open at once; more get 429 with Retry-After", gt=0)
+    graceful_shutdown_s: float = _own("gateway", "graceful_shutdown_s", 30.0,
+                                      "on SIGTERM, open requests get this long to finish before the server closes "
+                                      "them (keep it under the pod's terminationGracePeriodSeconds less its preStop "
+                                      "delay)", gt=0)
     result_poll_s: float = _own("gateway", "result_poll_s", 5.0,
                                 "a request that heard no event for this long is looked up in Redis (delivers a "
                                 "result whose final event was lost)", gt=0)

@@ -24,7 +24,7 @@ def main() -> None:
     serve_metrics(app.state.metrics.registry, settings.metrics_port, settings.metrics_host)
     logger.info("DiLaServe gateway on http://%s:%d (model %s)", settings.host, settings.port, settings.model_dir)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level.lower(),
-                timeout_graceful_shutdown=5)
+                timeout_graceful_shutdown=settings.graceful_shutdown_s)
     shutdown_tracing()
 
 

@@ -75,6 +75,7 @@ class Gateway:
     # --- completions --------------------------------------------------------------------------
 
     async def complete(self, body: CompletionBody | ChatCompletionBody, request: Request) -> Response:
+        self._refuse_without_workers()
         if self.rate_limiter is not None:
             await self.rate_limiter.check(rate_identity(request))
         self.admission.enter()  # 429 when this gateway holds max_in_flight requests already
@@ -194,6 +195,17 @@ class Gateway:
         with anyio.move_on_after(CANCEL_WAIT_S):
             await self.bus.cancel(request_id, reason)
 
+    def _refuse_without_workers(self) -> None:
+        """503 with Retry-After, at once, when no READY instance of a served model is alive (nothing is
+        queued for workers that are not there; the bus says None while it cannot tell yet)."""
+        workers = self.bus.ready_workers()
+        served = {model.name for model in self.preparer.catalogue.models}
+        if workers is None or any(hb.model in served for hb in workers):
+            return
+        raise ApiError(503, f"no model instance serving {', '.join(sorted(served))} is up; retry after "
+                       f"{self.settings.retry_after_s} s", None, "no_instance", SERVER_ERROR,
+                       {"Retry-After": str(self.settings.retry_after_s)})
+
     # --- state and health ---------------------------------------------------------------------
 
     async def _stored_event(self, request_id: str, prepared: PreparedRequest) -> RequestEvent | None:
@@ -225,14 +237,16 @@ class Gateway:
         state = await self.bus.readiness()
         served = {model.name for model in self.preparer.catalogue.models}
         ready = [hb for hb in state.workers if hb.status == WorkerStatus.READY and hb.model in served]
-        missing = [name for name, ok in (("nats", state.nats_connected), ("redis", state.redis_ok),
-                                         ("worker", bool(ready))) if not ok]
+        # ready = this process can serve: NATS and Redis. Workers are the cluster's business: without
+        # them the gateway still answers, with 503 + Retry-After (see _refuse_without_workers)
+        missing = [name for name, ok in (("nats", state.nats_connected), ("redis", state.redis_ok)) if not ok]
         detail = dict(state.detail)
         if not ready:
             detail["worker"] = (f"no READY worker serving {', '.join(sorted(served))} was heard from within its "
-                                f"lease ({len(state.workers)} live worker(s) of any status or model)")
+                                f"lease ({len(state.workers)} live worker(s) of any status or model); "
+                                f"completions get 503 with Retry-After")
         return not missing, {
-            "ready": not missing, "missing": missing, "detail": detail,
+            "ready": not missing, "missing": missing, "serving": bool(ready), "detail": detail,
             "workers": [{"instance_id": hb.instance_id, "model": hb.model, "status": WorkerStatus(hb.status).name,
                          "tp": hb.tp, "num_resident": hb.num_resident} for hb in state.workers],
         }
@@ -366,14 +380,21 @@ def create_app(settings: GatewaySettings, bus: Bus | None = None,
         """A request's state from the request-state store (also after a 504)."""
         return await gateway.request_state(request_id, caller(request))
 
+    @app.get("/health")
+    async def health() -> dict:
+        """Liveness: 200 while the process serves HTTP (as vLLM's and SGLang's ``/health``)."""
+        return {"status": "ok"}
+
     @app.get("/healthz")
     async def healthz() -> dict:
-        """200 while the process runs."""
+        """The same as ``/health``."""
         return {"status": "ok"}
 
     @app.get("/readyz", responses={503: {"description": "what is missing"}})
     async def readyz() -> JSONResponse:
-        """200 when NATS is connected, Redis answers and a READY worker of the served model is alive."""
+        """Readiness: 200 when this process can serve (NATS connected, intake in place, Redis answers),
+        whether or not workers are up (``serving`` says whether a READY worker of the served model is
+        alive; without one, completions get 503 with Retry-After)."""
         ready, body = await gateway.readiness()
         return JSONResponse(body, status_code=200 if ready else 503)
 

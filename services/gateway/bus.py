@@ -44,6 +44,9 @@ PUBLISH_TIMEOUT_S = 5.0  # wait this long for JetStream to store a request
 CANCEL_TIMEOUT_S = 2.0  # wait this long to publish a cancellation (the client is gone anyway)
 REDIS_TIMEOUT_S = 2.0  # a Redis call slower than this counts as Redis not answering
 RECONNECT_WAIT_S = 1.0  # between attempts to reach NATS or to set up the intake stream
+# heard heartbeats for this long (longer than a worker's lease, DLS_WORKER_LEASE_TTL_S = 6 s by default)
+# before "no READY worker" is believed: a gateway that just (re)started has not heard the workers yet
+HEARTBEAT_GRACE_S = 8.0
 
 
 class BusUnavailableError(RuntimeError):
@@ -82,6 +85,11 @@ class Bus(Protocol):
     async def readiness(self) -> Readiness:
         ...
 
+    def ready_workers(self) -> list[WorkerHeartbeat] | None:
+        """READY instances within their lease now; None while the bus cannot tell (not yet listening to
+        heartbeats for a lease length): the gateway then lets the scheduler decide."""
+        ...
+
 
 class GatewayBus:
     """``Bus`` on NATS and Redis. ``start`` it inside the event loop; ``close`` it at shutdown."""
@@ -95,6 +103,7 @@ class GatewayBus:
         self._intake_ready = False  # the intake stream exists with work-queue retention
         self._intake_problem = "not connected yet"  # why the intake is not ready
         self._workers = WorkerRegistry()
+        self._heartbeats_since: float | None = None  # time.monotonic() of the heartbeat subscription
         self._redis = None  # redis.asyncio.Redis once started
         self._store: RedisStateStore | None = None
         self._connect_task: asyncio.Task | None = None
@@ -140,6 +149,7 @@ class GatewayBus:
         logger.info("connected to NATS at %s", self._nc.connected_url.netloc if self._nc.connected_url else "?")
         self._nats_down_logged = False
         await self._nc.subscribe(self.subjects.heartbeat, cb=self._on_heartbeat)
+        self._heartbeats_since = time.monotonic()
         self._js = self._nc.jetstream()
         while True:
             try:
@@ -235,6 +245,12 @@ class GatewayBus:
             detail["nats"] = self._problem()
         redis_ok = await self._ping_redis(detail)
         return Readiness(self.connected, redis_ok, self._workers.live(self._clock()), detail)
+
+    def ready_workers(self) -> list[WorkerHeartbeat] | None:
+        since = self._heartbeats_since
+        if since is None or not self._nc.is_connected or time.monotonic() - since < HEARTBEAT_GRACE_S:
+            return None
+        return self._workers.ready(self._clock())
 
     # --- helpers ------------------------------------------------------------------------------
 

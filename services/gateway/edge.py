@@ -20,7 +20,7 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-OPEN_PATHS = frozenset({"/healthz", "/readyz", "/dashboard"})  # open even when keys are set
+OPEN_PATHS = frozenset({"/health", "/healthz", "/readyz", "/dashboard"})  # open even when keys are set
 # page shells and their scripts hold no data: the pages ask for a key and send it on every /v1 call
 OPEN_PREFIXES = ("/static/dashboard/", "/requests/")
 

@@ -23,7 +23,7 @@ from shared.messages.intake import CompletionRequest
 from shared.metrics import CONTENT_TYPE_LATEST, GatewayMetrics, render
 from shared.telemetry import extract_context, inject_headers, tracer
 
-UNTRACED_PATHS = frozenset({"/metrics", "/healthz", "/readyz"})  # probes and scrapes: counted, no spans
+UNTRACED_PATHS = frozenset({"/metrics", "/health", "/healthz", "/readyz"})  # probes and scrapes: counted, no spans
 OTHER_ROUTE = "other"  # route label of paths no route matched (keeps the label set small)
 
 

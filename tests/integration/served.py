@@ -5,6 +5,7 @@ background thread, so a test can drive it from outside (httpx, ``dls loadgen``, 
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 import urllib.request
@@ -67,7 +68,7 @@ def served_stack(nats_url: str, redis_url: str, prefix: str, num_workers: int = 
         while True:
             try:
                 with urllib.request.urlopen(f"{url}/readyz", timeout=2) as reply:
-                    if reply.status == 200:
+                    if reply.status == 200 and json.loads(reply.read())["serving"]:  # a worker is up too
                         break
             except OSError:
                 pass

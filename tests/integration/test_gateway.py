@@ -164,15 +164,15 @@ def test_request_state_is_read_from_redis(nats_server, redis_server, unique_pref
 def test_readiness_follows_worker_heartbeats(nats_server, redis_server, unique_prefix):
     subjects = Subjects(unique_prefix)
 
-    def heartbeat(status: WorkerStatus) -> bytes:
+    def heartbeat(status: WorkerStatus, seq: int) -> bytes:
         return encode(WorkerHeartbeat(instance_id="w0", node="local", tp=1, max_batch=16, model=MODEL, status=status,
-                                      ttl_s=30.0, sent_at=time.time()))
+                                      ttl_s=30.0, sent_at=time.time(), seq=seq))
 
-    async def wait_for_status(http, status: int) -> httpx.Response:
+    async def wait_for_serving(http, serving: bool) -> httpx.Response:
         deadline = time.monotonic() + WAIT_S
         while True:
             response = await http.get("/readyz")
-            if response.status_code == status or time.monotonic() > deadline:
+            if response.json()["serving"] == serving or time.monotonic() > deadline:
                 return response
             await asyncio.sleep(0.02)
 
@@ -180,19 +180,20 @@ def test_readiness_follows_worker_heartbeats(nats_server, redis_server, unique_p
         nc = await nats.connect(nats_server.url)
         async with running_gateway(nats_server, redis_server, unique_prefix) as (http, _):
             before = await http.get("/readyz")
-            await nc.publish(subjects.heartbeat, heartbeat(WorkerStatus.READY))
+            await nc.publish(subjects.heartbeat, heartbeat(WorkerStatus.READY, seq=1))
             await nc.flush()
-            ready = await wait_for_status(http, 200)
-            await nc.publish(subjects.heartbeat, heartbeat(WorkerStatus.STOPPING))
+            ready = await wait_for_serving(http, True)
+            await nc.publish(subjects.heartbeat, heartbeat(WorkerStatus.STOPPING, seq=2))
             await nc.flush()
-            stopped = await wait_for_status(http, 503)
+            stopped = await wait_for_serving(http, False)
         await nc.close()
         return before, ready, stopped
 
     before, ready, stopped = asyncio.run(main())
-    assert before.status_code == 503 and before.json()["missing"] == ["worker"]
-    assert ready.status_code == 200 and ready.json()["workers"][0]["instance_id"] == "w0"
-    assert stopped.status_code == 503 and stopped.json()["missing"] == ["worker"]
+    # ready throughout (NATS and Redis are up): workers come and go without the gateway leaving its Service
+    assert before.status_code == 200 and before.json()["missing"] == [] and not before.json()["serving"]
+    assert ready.status_code == 200 and ready.json()["workers"][0]["instance_id"] == "w0" and ready.json()["serving"]
+    assert stopped.status_code == 200 and not stopped.json()["serving"]
 
 
 def test_cancel_is_published_on_the_cancel_subject(nats_server, redis_server, unique_prefix):
@@ -227,5 +228,5 @@ def test_unreachable_servers_mean_503_not_a_hung_start(unique_prefix):
 
     completion, ready, health = asyncio.run(main())
     assert completion.status_code == 503 and "retry-after" in completion.headers
-    assert ready.status_code == 503 and ready.json()["missing"] == ["nats", "redis", "worker"]
+    assert ready.status_code == 503 and ready.json()["missing"] == ["nats", "redis"]
     assert health.status_code == 200

@@ -33,11 +33,11 @@ def test_gateway_scheduler_and_worker_serve_completions_and_streams(nats_server,
             async with httpx.AsyncClient(transport=transport, base_url="http://gateway", timeout=60) as http:
                 ready = await http.get("/readyz")
                 for _ in range(100):
-                    if ready.status_code == 200:
+                    if ready.status_code == 200 and ready.json()["serving"]:  # a worker is up too
                         break
                     await asyncio.sleep(0.1)
                     ready = await http.get("/readyz")
-                assert ready.status_code == 200, ready.text
+                assert ready.status_code == 200 and ready.json()["serving"], ready.text
 
                 plain = await http.post("/v1/completions", json={"model": "dls-tiny", "prompt": "12+30="})
                 assert plain.status_code == 200, plain.text

@@ -43,7 +43,8 @@ def span_exporter() -> InMemorySpanExporter:
 
 async def _wait_ready(http: httpx.AsyncClient) -> None:
     for _ in range(100):
-        if (await http.get("/readyz")).status_code == 200:
+        ready = await http.get("/readyz")
+        if ready.status_code == 200 and ready.json()["serving"]:  # a worker is up too
             return
         await asyncio.sleep(0.1)
     raise AssertionError("the gateway never became ready")

@@ -119,6 +119,9 @@ class FakeBus:
     async def readiness(self) -> Readiness:
         return self.state
 
+    def ready_workers(self):
+        return [hb for hb in self.state.workers if hb.status == WorkerStatus.READY]
+
 
 def client(bus: FakeBus | None = None, **overrides) -> tuple[TestClient, FakeBus]:
     bus = bus or FakeBus()

@@ -322,10 +322,28 @@ def test_models_health_and_readiness():
     assert models["data"][0]["max_sequence_length"] == 512
     assert test_client.get("/healthz").status_code == 200
 
-    assert test_client.get("/readyz").status_code == 200
+    assert test_client.get("/health").status_code == 200
+    ready = test_client.get("/readyz")
+    assert ready.status_code == 200 and ready.json()["serving"]
+    # no READY worker of this model: the gateway is still ready (it can answer), and says it does not serve
     bus.state = Readiness(True, True, [heartbeat(status=WorkerStatus.DRAINING), heartbeat("other", model="llada")])
     response = test_client.get("/readyz")
-    assert response.status_code == 503 and response.json()["missing"] == ["worker"]
+    assert response.status_code == 200 and response.json()["missing"] == [] and not response.json()["serving"]
+    assert "503" in response.json()["detail"]["worker"]
     bus.state = Readiness(False, False, [], {"nats": "not connected", "redis": "ConnectionError"})
-    body = test_client.get("/readyz").json()
-    assert body["missing"] == ["nats", "redis", "worker"] and body["detail"]["redis"] == "ConnectionError"
+    response = test_client.get("/readyz")
+    body = response.json()
+    assert response.status_code == 503
+    assert body["missing"] == ["nats", "redis"] and body["detail"]["redis"] == "ConnectionError"
+
+
+def test_without_a_ready_worker_completions_get_503_with_retry_after_at_once():
+    bus = FakeBus()
+    bus.state = Readiness(True, True, [heartbeat(status=WorkerStatus.DRAINING), heartbeat("other", model="llada")])
+    test_client, _ = client(bus=bus)
+    response = test_client.post("/v1/completions", json={"model": MODEL, "prompt": "1+1=", "stream": True})
+    assert response.status_code == 503 and response.headers["retry-after"] == "2"
+    assert response.json()["error"]["code"] == "no_instance" and bus.submitted == []
+    bus.ready_workers = lambda: None  # the bus cannot tell yet (just started): the scheduler decides
+    assert test_client.post("/v1/completions", json={"model": MODEL, "prompt": "1+1="}).status_code == 200
+    assert len(bus.submitted) == 1

@@ -140,6 +140,6 @@ def test_dashboard_page_shells_are_open_but_their_data_needs_a_key():
     from services.gateway.edge import is_open
 
     assert is_open("/dashboard") and is_open("/requests/cmpl-1") and is_open("/static/dashboard/dashboard.js")
-    assert is_open("/healthz") and is_open("/readyz")
+    assert is_open("/health") and is_open("/healthz") and is_open("/readyz")
     assert not is_open("/v1/cluster") and not is_open("/v1/requests/cmpl-1/timeline")
     assert not is_open("/v1/completions") and not is_open("/metrics") and not is_open("/openapi.json")
