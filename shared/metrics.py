@@ -3,8 +3,11 @@
 Each service builds its metrics object with its own ``CollectorRegistry`` (so a test that runs a
 scheduler and two workers in one process sees each one's numbers), updates it from its loop, and
 exposes it with ``serve_metrics(registry, port, host)`` on ``DLS_METRICS_PORT`` (0: off); the
-gateway also serves ``/metrics`` on its HTTP app (``render``). Names (``docs/architecture.md``,
-"Observability"):
+gateway also serves ``/metrics`` on its HTTP app (``render``). The same port answers the probes of a
+service that has no HTTP API of its own: ``/health`` (liveness: 200 while its event loop turns; a loop
+stuck for ``LOOP_STALL_S`` answers 503) and ``/ready`` (readiness: alive, and every NATS connection it
+made with ``shared.runtime.connect_nats`` connected, or what the service's own ``ready`` says).
+Names (``docs/architecture.md``, "Observability"):
 
 - scheduler: ``dls_scheduler_requests_finished_total``, ``dls_scheduler_requests_slo_met_total``
   (SLO attainment = their ratio), ``dls_scheduler_requests_rejected_total``,
@@ -25,7 +28,12 @@ gateway also serves ``/metrics`` on its HTTP app (``render``). Names (``docs/arc
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import threading
+import time
+from collections.abc import Callable
+from http.server import ThreadingHTTPServer
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -35,7 +43,7 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client import start_http_server as _start_http_server
+from prometheus_client.exposition import MetricsHandler
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +54,7 @@ STEP_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 THRESHOLD_BUCKETS = (0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95, 1.0)
 ERROR_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 2, 5)
+LOOP_STALL_S = 60.0  # /health fails once the service's event loop has not turned for this long
 
 
 def render(registry: CollectorRegistry) -> bytes:
@@ -53,20 +62,76 @@ def render(registry: CollectorRegistry) -> bytes:
     return generate_latest(registry)
 
 
-def serve_metrics(registry: CollectorRegistry, port: int, host: str = "127.0.0.1"):
-    """Serve ``registry`` on ``http://host:port/metrics`` in a daemon thread; None when ``port`` is 0.
+class LoopWatch:
+    """Liveness of an event loop: a task on it stamps the time every second; ``alive`` while the stamp
+    is younger than ``stall_s`` (a loop blocked by a call that never returns stops stamping)."""
 
+    def __init__(self, stall_s: float = LOOP_STALL_S) -> None:
+        self.stall_s = stall_s
+        self.last_tick = time.monotonic()
+        self.task: asyncio.Task | None = None
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> LoopWatch:
+        self.task = loop.create_task(self._tick(), name="loop-watch")
+        return self
+
+    async def _tick(self) -> None:
+        while True:
+            self.last_tick = time.monotonic()
+            await asyncio.sleep(1.0)
+
+    def alive(self) -> bool:
+        return time.monotonic() - self.last_tick < self.stall_s
+
+
+def serve_metrics(registry: CollectorRegistry, port: int, host: str = "127.0.0.1",
+                  ready: Callable[[], bool] | None = None):
+    """Serve ``registry`` on ``http://host:port/metrics``, and ``/health`` and ``/ready``, in a daemon
+    thread; None when ``port`` is 0.
+
+    ``/health`` watches the event loop running when this is called (none: always alive); ``/ready`` is
+    alive and ``ready()`` (default: the NATS connections of ``shared.runtime.connect_nats`` are up).
     Returns the HTTP server (``server.server_port`` is the bound port; ``shutdown()`` stops it). A port
     that cannot be bound is logged and leaves metrics off: it must not stop the service from serving.
     """
     if not port:
         return None
+    from shared.runtime import nats_connected
+
     try:
-        server, _thread = _start_http_server(port, addr=host, registry=registry)
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        loop = None
+    watch = LoopWatch().start(loop) if loop is not None else None
+    alive = watch.alive if watch is not None else (lambda: True)
+    is_ready = ready or nats_connected
+    probes = {"/health": alive, "/ready": lambda: alive() and is_ready()}  # path -> check
+
+    class Handler(MetricsHandler.factory(registry)):
+        def do_GET(self) -> None:
+            check = probes.get(self.path.split("?", 1)[0])
+            if check is None:
+                return super().do_GET()
+            ok = check()
+            body = b"ok\n" if ok else b"unavailable\n"
+            self.send_response(200 if ok else 503)
+            self.send_header("Content-Type", "text/plain; charset=utf-8")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args) -> None:  # noqa: A002 (the base class's name)
+            pass  # scrapes and probes every few seconds: not worth a log line each
+
+    try:
+        server = ThreadingHTTPServer((host, port), Handler)
     except OSError as exc:
         logger.error("cannot serve metrics on %s:%d (%s); metrics are off", host, port, exc)
         return None
-    logger.info("metrics on http://%s:%d/metrics", host, server.server_port)
+    server.daemon_threads = True
+    server.loop_watch = watch  # keeps the watch task referenced
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
+    logger.info("metrics on http://%s:%d/metrics (probes /health, /ready)", host, server.server_port)
     return server
 
 

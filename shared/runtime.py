@@ -12,6 +12,7 @@ created later are collected as usual.
 from __future__ import annotations
 
 import gc
+import weakref
 
 
 def freeze_startup_heap() -> None:
@@ -20,11 +21,23 @@ def freeze_startup_heap() -> None:
     gc.freeze()
 
 
+# the NATS connections connect_nats made in this process, for readiness probes (shared.metrics)
+_NATS_CONNECTIONS: weakref.WeakSet = weakref.WeakSet()
+
+
 async def connect_nats(settings, name: str):
     """A NATS connection for a service: every URL of ``settings.nats_url``, reconnecting forever."""
     import nats
 
-    return await nats.connect(settings.nats_url.split(","), max_reconnect_attempts=-1, name=name)
+    nc = await nats.connect(settings.nats_url.split(","), max_reconnect_attempts=-1, name=name)
+    _NATS_CONNECTIONS.add(nc)
+    return nc
+
+
+def nats_connected() -> bool:
+    """Is every NATS connection ``connect_nats`` made in this process connected, and is there one?"""
+    connections = list(_NATS_CONNECTIONS)
+    return bool(connections) and all(nc.is_connected for nc in connections if not nc.is_closed)
 
 
 def on_stop_signals(callback=None):

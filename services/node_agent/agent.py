@@ -36,6 +36,7 @@ import shlex
 import signal
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,6 +58,8 @@ from shared.subjects import SubjectError, Subjects, check_id
 from shared.telemetry import extract_context, setup_tracing, shutdown_tracing, tracer
 
 logger = logging.getLogger("dls.node_agent")
+
+WORKER_SCRAPE_TIMEOUT_S = 2.0  # a worker's /metrics slower than this is left out of the agent's scrape
 
 
 class AgentError(ValueError):
@@ -189,6 +192,9 @@ class NodeAgent:
         self._subscriptions: list = []
         self.metrics = NodeAgentMetrics()
         self.metrics.workers.set_function(lambda: len(self.workers))
+        # its /metrics also carries its workers' (one scrape target per node, as pod annotations allow)
+        own = frozenset(family.name for family in self.metrics.registry.collect())
+        self.metrics.registry.register(WorkerMetricsCollector(self.worker_metrics_urls, skip=own))
         self._tracer = tracer("dls.node_agent")
 
     # --- lifecycle -------------------------------------------------------------------------------
@@ -259,6 +265,11 @@ class NodeAgent:
         if not self.settings.metrics_port:
             return 0
         return self.settings.metrics_port + 1 + self.gpu_ids.index(min(worker.gpu_ids))
+
+    def worker_metrics_urls(self) -> list[str]:
+        """The /metrics URLs of the workers running now (on this host)."""
+        return [f"http://127.0.0.1:{self.worker_metrics_port(w)}/metrics" for w in self.workers.values()
+                if self.worker_metrics_port(w) and w.process is not None and w.process.returncode is None]
 
     def log_path(self, worker: Worker) -> Path:
         return self.log_dir / f"{worker.instance_id}.log"
@@ -490,6 +501,39 @@ class NodeAgent:
         log = logger.info if status == PlanAckStatus.APPLIED else logger.warning
         log("plan %s: %s (started %s, stopped %s)%s", plan_id, status.name, ack.started_instance_ids,
             ack.stopped_instance_ids, f": {detail}" if detail else "")
+
+
+class WorkerMetricsCollector:
+    """The node agent's workers' metrics, fetched from their /metrics at each scrape of the agent's, so
+    one scrape target per node (``prometheus.io/port`` names one port per pod) covers every worker.
+    Families the agent itself has (``dls_malformed_messages``) are left out; a worker that does not
+    answer within ``WORKER_SCRAPE_TIMEOUT_S`` is left out of that scrape."""
+
+    def __init__(self, urls: Callable[[], list[str]], skip: frozenset[str] = frozenset()) -> None:
+        self.urls = urls  # the workers' /metrics now
+        self.skip = skip  # family names not to take from them
+
+    def describe(self) -> list:
+        return []  # unknown until scraped (and the registry must not collect at registration)
+
+    def collect(self):
+        from prometheus_client.parser import text_string_to_metric_families
+
+        merged: dict[str, object] = {}  # family name -> its samples from every worker
+        for url in self.urls():
+            try:
+                with urllib.request.urlopen(url, timeout=WORKER_SCRAPE_TIMEOUT_S) as reply:
+                    text = reply.read().decode()
+            except (OSError, ValueError):
+                continue
+            for family in text_string_to_metric_families(text):
+                if family.name in self.skip:
+                    continue
+                if family.name in merged:
+                    merged[family.name].samples.extend(family.samples)
+                else:
+                    merged[family.name] = family
+        yield from merged.values()
 
 
 def _signal(pid: int, sig: signal.Signals, group: bool) -> None:

@@ -4,6 +4,8 @@ and the gateway's ``/metrics`` after a request."""
 
 from __future__ import annotations
 
+import asyncio
+import urllib.error
 import urllib.request
 
 import pytest
@@ -14,6 +16,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from shared import telemetry
 from shared.metrics import (
+    LOOP_STALL_S,
     GatewayMetrics,
     NodeAgentMetrics,
     PredictorMetrics,
@@ -129,6 +132,62 @@ def test_metrics_are_served_over_http_and_off_on_port_zero():
         assert serve_metrics(metrics.registry, port=server.server_port) is None  # taken: logged, not fatal
     finally:
         server.shutdown()
+
+
+def _get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as reply:
+            return reply.status, reply.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def test_the_metrics_port_answers_liveness_and_readiness_probes():
+    """/health follows the event loop the server was started from; /ready also the service's check."""
+    ready = {"now": False}
+
+    async def main():
+        server = serve_metrics(SchedulerMetrics().registry, port=free_port(), ready=lambda: ready["now"])
+        base = f"http://127.0.0.1:{server.server_port}"
+        try:
+            seen = [await asyncio.to_thread(_get, f"{base}/health"), await asyncio.to_thread(_get, f"{base}/ready")]
+            ready["now"] = True
+            seen.append(await asyncio.to_thread(_get, f"{base}/ready"))
+            server.loop_watch.last_tick -= LOOP_STALL_S + 1  # as if the loop had been stuck that long
+            server.loop_watch.task.cancel()
+            seen += [await asyncio.to_thread(_get, f"{base}/health"), await asyncio.to_thread(_get, f"{base}/ready")]
+            return seen
+        finally:
+            server.shutdown()
+
+    (health, not_ready, now_ready, stuck, stuck_ready) = asyncio.run(main())
+    assert health == (200, "ok\n") and not_ready[0] == 503 and now_ready[0] == 200
+    assert stuck[0] == 503 and stuck_ready[0] == 503
+
+
+def test_the_node_agents_metrics_carry_its_workers():
+    """One scrape of the agent's port gives every worker's series (by their ``instance`` label)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from services.node_agent.agent import WorkerMetricsCollector
+
+    workers = [WorkerMetrics(f"w-{i}") for i in range(2)]
+    for i, worker in enumerate(workers):
+        worker.steps.inc(i + 1)
+    servers = [serve_metrics(w.registry, port=free_port()) for w in workers]
+    agent = NodeAgentMetrics()
+    own = frozenset(family.name for family in agent.registry.collect())
+    urls = [f"http://127.0.0.1:{s.server_port}/metrics" for s in servers] + [f"http://127.0.0.1:{free_port()}/metrics"]
+    agent.registry.register(WorkerMetricsCollector(lambda: urls, skip=own))
+    try:
+        families = {f.name: f for f in text_string_to_metric_families(render(agent.registry).decode())}
+    finally:
+        for server in servers:
+            server.shutdown()
+    steps = {s.labels["instance"]: s.value for s in families["dls_worker_steps"].samples if s.name.endswith("_total")}
+    assert steps == {"w-0": 1.0, "w-1": 2.0}
+    assert "dls_node_agent_restarts" in families and "dls_worker_step_seconds" in families
+    assert len([s for s in families["dls_malformed_messages"].samples]) == 0  # the agent's own, not doubled
 
 
 def test_predictor_error_compares_the_prediction_at_the_threshold_used():
