@@ -19,6 +19,8 @@ Figures:
   ``--blocks`` blocks of the canvas (each block: one recompute step, then cache steps; every block
   costs the same with the dual cache, whose steps read the whole canvas); the no-cache loop runs
   ``--loop-steps`` steps, which all cost the same. Both after one warm-up round.
+* with ``--compile``, ``engine_compiled``: ``engine`` with every block's RMSNorm + SwiGLU run through
+  one ``torch.compile``d graph (compiled during the warm-up, not timed).
 * ``tokens_per_step_by_batch``: committed tokens per request per step (random weights are rarely
   confident, so the engine commits about one token per step, like the loop: the speed-up is the
   cache and batching, not parallel decoding).
@@ -175,6 +177,8 @@ def measure(args: argparse.Namespace) -> dict:
     engines = {"engine": DLMEngine(model, stop_at_eos=False)}
     if args.device.startswith("cuda"):
         engines["engine_sdpa"] = DLMEngine(model, stop_at_eos=False, attention="sdpa")
+    if args.compile:  # the engine again, its blocks' MLPs compiled (model.compile_mlp, on only for this run)
+        engines["engine_compiled"] = DLMEngine(model, stop_at_eos=False)
     log(f"{args.arch}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, {arch.dtype}, "
         f"{args.device}, prompt {prompt_length}, gen {args.gen_length}, block {args.block_length}; "
         + ", ".join(f"{name}: {e.attention.value}" for name, e in engines.items()))
@@ -184,8 +188,10 @@ def measure(args: argparse.Namespace) -> dict:
     for batch in args.batches:
         prompts = random_prompts(model.config, batch, prompt_length, args.seed + batch)
         for name, engine in engines.items():
-            run_engine(engine, prompts, _warm_up(args), f"w{name}{batch}-")
+            model.compile_mlp(name == "engine_compiled")
+            run_engine(engine, prompts, _warm_up(args), f"w{name}{batch}-")  # compiles, the first time
             run = run_engine(engine, prompts, args, f"{name}{batch}-")
+            model.compile_mlp(False)
             tokens_per_s[name][str(batch)] = round(run.tokens / run.seconds, 2)
             tokens_per_step[name][str(batch)] = round(run.tokens / run.steps, 3)
             if name == "engine" and run.cache_forwards:
@@ -263,6 +269,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--loop-steps", type=int, default=8, help="steps of the no-cache loop timed")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--compile", action="store_true", help="also measure engine_compiled (torch.compile'd MLPs)")
     return p
 
 

@@ -181,14 +181,36 @@ class Block(nn.Module):
         return self._mlp(x)
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        if self.compiled_mlp is not None and type(self.ff_out) is nn.Linear:  # not a tensor-parallel shard
+            return self.compiled_mlp(x, self.ff_norm.weight, self.ff_norm.eps, self.ff_proj.weight,
+                                     self.up_proj.weight, self.ff_out.weight)
         h = self.ff_norm(x)
         return x + self.ff_out(F.silu(self.ff_proj(h)) * self.up_proj(h))
+
+    compiled_mlp = None  # set by DLMForMaskedDiffusion.compile_mlp
+
+
+def mlp_residual(x, norm_weight, eps: float, gate_weight, up_weight, down_weight) -> torch.Tensor:
+    """``Block._mlp`` as a pure function of its weights, so that one compiled graph serves every layer."""
+    dtype = x.dtype
+    h = x.float()
+    h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()).to(dtype)
+    return x + F.linear(F.silu(F.linear(h, gate_weight)) * F.linear(h, up_weight), down_weight)
 
 
 # One layer's attention over a packed batch: (q [T, H, Dh], k, v [T, H_kv, Dh]) -> [T, H, Dh].
 PackedAttend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # The same for every layer, given the layer's index first.
 PackedAttention = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+_COMPILED: dict[str, Callable] = {}  # name -> the compiled function (compiled once per process)
+
+
+def _compiled_mlp_residual() -> Callable:
+    if "mlp_residual" not in _COMPILED:
+        _COMPILED["mlp_residual"] = torch.compile(mlp_residual, dynamic=True)
+    return _COMPILED["mlp_residual"]
 
 
 class Transformer(nn.Module):
@@ -285,6 +307,13 @@ class DLMForMaskedDiffusion(PreTrainedModel):
         for i, block in enumerate(transformer.blocks):
             x = block.forward_packed(x, cos, sin, lambda q, k, v, i=i: attention(i, q, k, v))
         return transformer.ff_out(transformer.ln_f(x.index_select(0, logit_rows)))
+
+    def compile_mlp(self, enabled: bool = True) -> None:
+        """Run every block's RMSNorm + SwiGLU through one ``torch.compile``d graph (dynamic shapes: one
+        compile for every batch); off by default, see docs/performance.md for where it was measured."""
+        compiled = _compiled_mlp_residual() if enabled else None
+        for block in self.model.transformer.blocks:
+            block.compiled_mlp = compiled
 
     def num_parameters_excluding_embeddings(self) -> int:
         return sum(p.numel() for n, p in self.named_parameters() if "wte" not in n)

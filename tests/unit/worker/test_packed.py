@@ -194,3 +194,18 @@ def test_pool_writes_land_in_the_request_slots():
     first = extent.first_slot(4)
     assert torch.equal(stored_keys[first : first + 6], keys) and torch.equal(stored_values[first : first + 6], -keys)
     assert cache.bytes_written == 2 * 12 * 4
+
+
+@pytest.mark.slow  # torch.compile takes most of a minute on a small CPU
+def test_compiled_mlps_keep_the_reference_tokens():
+    model = tiny_model(seed=0)
+    model.compile_mlp()
+    try:
+        engine = DLMEngine(model, stop_at_eos=False, kv_page_size=4)
+        specs = _specs(seed=5, count=5)
+        states = [engine.new_request(f"r{i}", p, g, b, CacheMode.DUAL) for i, (p, g, b, _) in enumerate(specs)]
+        _run_staggered(engine, states, [t for *_, t in specs])
+    finally:
+        model.compile_mlp(False)
+    for state, (prompt, gen, block, tau) in zip(states, specs, strict=True):
+        assert state.canvas == reference_generate(model, prompt, gen, block, tau, stop_at_eos=False, cache="dual").tokens
