@@ -1,4 +1,4 @@
-"""The step predictor's 11 features, computed in one place for the worker, scheduler, simulator and trainer.
+"""The step predictor's 13 features, computed in one place for the worker, scheduler, simulator and trainer.
 
 A feature row describes a request *between* steps, plus the threshold that the request would use
 from now on (the scheduler asks "how many steps remain if I switch to tau?", so the threshold is a
@@ -11,6 +11,9 @@ prompt_length      prompt tokens
 block_length       semi-autoregressive block length
 full_progress      committed fraction of the output
 block_progress     committed fraction of the block the last step decoded (0 before any step)
+block_index        the block the last step decoded (0 before any step)
+blocks_left        blocks of the canvas after that one (all but the first before any step): an
+                   upper bound, since a request stops at the block that completes its EOS
 conf_min .. q75    min, q25, median, mean, q75 of the confidences of that block's positions
                    still masked after the last step (the engine's ``ConfidenceStats``; 1.0 when
                    none is masked; NaN before the first step: LightGBM treats NaN as missing)
@@ -36,6 +39,8 @@ FEATURE_NAMES: tuple[str, ...] = (
     "block_length",
     "full_progress",
     "block_progress",
+    "block_index",
+    "blocks_left",
     "conf_min",
     "conf_q25",
     "conf_median",
@@ -44,8 +49,8 @@ FEATURE_NAMES: tuple[str, ...] = (
 )
 NUM_FEATURES = len(FEATURE_NAMES)
 ARRIVAL_FEATURE_NAMES = FEATURE_NAMES[:4]  # known when the request arrives
-PROGRESS_FEATURE_NAMES = FEATURE_NAMES[:6]  # arrival plus unmasking progress
-CONFIDENCE_FEATURE_NAMES = FEATURE_NAMES[6:]
+PROGRESS_FEATURE_NAMES = FEATURE_NAMES[:8]  # arrival plus unmasking progress, across blocks
+CONFIDENCE_FEATURE_NAMES = FEATURE_NAMES[8:]
 THRESHOLD_INDEX = 0
 
 # feature set name -> the features a model of that set reads (each a prefix of FEATURE_NAMES)
@@ -89,13 +94,16 @@ def step_features(
     block_committed: int,
     confidence: ConfidenceLike | Sequence[float] | None,
     block_size: int | None = None,
+    block_index: int = 0,
 ) -> list[float]:
-    """The 11 features, in :data:`FEATURE_NAMES` order.
+    """The 13 features, in :data:`FEATURE_NAMES` order.
 
-    ``block_committed`` counts committed positions of the block the last step decoded, whose size
-    is ``block_size`` (the last block may be shorter than ``block_length``; default: block_length).
+    ``block_committed`` counts committed positions of block ``block_index``, the one the last step
+    decoded, whose size is ``block_size`` (the last block may be shorter than ``block_length``;
+    default: block_length).
     """
     block_size = block_size or block_length
+    num_blocks = -(-gen_length // block_length)
     return [
         float(threshold),
         float(gen_length),
@@ -103,6 +111,8 @@ def step_features(
         float(block_length),
         num_committed / gen_length,
         block_committed / block_size,
+        float(block_index),
+        float(num_blocks - 1 - block_index),
         *confidence_values(confidence),
     ]
 
@@ -128,4 +138,5 @@ def features_after_step(state: RequestState, result: StepResult, mask_id: int, t
         block_committed,
         result.confidence,
         block_size=end - start,
+        block_index=result.block_index,
     )

@@ -18,10 +18,10 @@ from services.gateway.errors import ApiError, invalid
 from services.gateway.models import ModelCatalogue, ServedModel, UnknownModelError
 from services.gateway.schemas import ChatCompletionBody, CompletionBody
 from services.gateway.slo import SloEstimator
-from shared.tokenizer import TokenizerError
 from shared.messages.base import CacheMode
 from shared.messages.intake import CompletionRequest
 from shared.settings import GatewaySettings
+from shared.tokenizer import TokenizerError
 
 logger = logging.getLogger(__name__)
 

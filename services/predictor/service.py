@@ -79,6 +79,7 @@ def to_core_query(query: PredictionQuery) -> CoreQuery:
         num_committed=query.num_committed,
         block_committed=query.block_committed,
         block_size=query.block_size,
+        block_index=query.block_index,
         confidence=None if query.confidence is None else tuple(query.confidence),
         uses_cache=query.uses_cache,
         threshold=query.threshold,

@@ -907,7 +907,8 @@ class SchedulerService:
             queries.append(PredictionQuery(
                 request_id=rid, num_steps_done=t.num_steps, gen_length=t.gen_len, prompt_length=t.prompt_len,
                 block_length=t.block_len, num_committed=t.num_committed, block_committed=t.block_committed,
-                block_size=t.block_size or None, confidence=t.confidence, uses_cache=t.uses_cache,
+                block_size=t.block_size or None, block_index=max(t.block_index, 0), confidence=t.confidence,
+                uses_cache=t.uses_cache,
                 threshold=t.threshold,
             ))
         return queries

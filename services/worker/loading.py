@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from services.worker.model import DLMConfig, DLMForMaskedDiffusion
-from shared.tokenizer import TOKENIZER_FILE, CharTokenizer
 from shared.generation import GenerationLimits, read_generation_limits
+from shared.tokenizer import TOKENIZER_FILE, CharTokenizer
 
 LLADA_MASK_ID = 126336
 DREAM_MASK_ID = 151666

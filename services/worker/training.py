@@ -33,7 +33,6 @@ from tqdm import tqdm
 
 from services.worker.model import DLMConfig, DLMForMaskedDiffusion
 from services.worker.reference import reference_generate
-from shared.tokenizer import CharTokenizer
 from shared.tasks import (
     CHAIN_MIN_ITEMS,
     Family,
@@ -43,6 +42,7 @@ from shared.tasks import (
     chain_answer_length,
     check_answer,
 )
+from shared.tokenizer import CharTokenizer
 
 MASK_EPS = 1e-3
 # Sums of two 3-digit numbers have at most 4 digits. The model writes them right-aligned in a field

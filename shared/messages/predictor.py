@@ -24,6 +24,7 @@ class PredictionQuery(Part, kw_only=True):
     num_committed: int = 0  # committed canvas positions
     block_committed: int = 0  # committed positions of the block the last step decoded
     block_size: int | None = None  # that block's size (the last block may be short)
+    block_index: int = 0  # the block the last step decoded
     confidence: Confidence | None = None  # confidence stats after the last step; None before any step
     uses_cache: bool = True  # False: every step is a full forward (cache mode none)
     threshold: float | None = None  # the threshold it runs at now

@@ -46,6 +46,7 @@ class PredictionQuery:
     confidence: tuple[float, ...] | None = None  # (min, q25, median, mean, q75); None before any step
     uses_cache: bool = True  # False: every step is a full forward (cache mode none)
     threshold: float | None = None  # the one it runs at now (lets ``+final`` update policies skip it)
+    block_index: int = 0  # the block the last step decoded
 
     @property
     def progress(self) -> float:
@@ -54,7 +55,7 @@ class PredictionQuery:
     def features(self, threshold: float) -> list[float]:
         return step_features(
             threshold, self.gen_length, self.prompt_length, self.block_length, self.num_committed,
-            self.block_committed, self.confidence, self.block_size,
+            self.block_committed, self.confidence, self.block_size, self.block_index,
         )
 
     def arrival_features(self, threshold: float) -> list[float]:
@@ -92,6 +93,7 @@ class PredictionQuery:
             request_id, num_steps_done, gen_length, prompt_length, block_length, num_committed,
             num_committed - start, min(block_length, gen_length - start),
             None if confidence is None else tuple(confidence_values(confidence)), uses_cache, threshold,
+            block_index=start // block_length,
         )
 
     @classmethod
@@ -102,6 +104,7 @@ class PredictionQuery:
             state.request_id, result.num_steps, state.gen_length, len(state.prompt_ids), state.block_length,
             state.gen_length - result.num_masked, sum(1 for t in state.canvas[start:end] if t != mask_id),
             end - start, tuple(confidence_values(result.confidence)), state.cache_mode != "none",
+            block_index=result.block_index,
         )
 
 

@@ -12,7 +12,6 @@ from fastapi.testclient import TestClient
 
 from services.gateway.app import create_app
 from services.gateway.bus import Readiness
-from shared.tokenizer import CharTokenizer
 from shared.messages.control import WorkerHeartbeat, WorkerStatus
 from shared.messages.events import (
     FailureReason,
@@ -26,6 +25,7 @@ from shared.messages.events import (
 from shared.messages.intake import CompletionRequest
 from shared.settings import GatewaySettings
 from shared.state import RequestRecord, StepRecord
+from shared.tokenizer import CharTokenizer
 
 REPO = Path(__file__).resolve().parents[3]
 MODEL_DIR = REPO / "models" / "dls-tiny"

@@ -13,11 +13,11 @@ from starlette.requests import Request
 from services.gateway.answers import DONE
 from services.gateway.bus import Readiness
 from services.gateway.schemas import CompletionBody
+from shared.generation import read_generation_limits
 from shared.messages.base import CacheMode, StepKind
 from shared.messages.control import WorkerStatus
 from shared.messages.events import FailureReason
 from shared.state import RequestRecord, RequestStatus, StepRecord
-from shared.generation import read_generation_limits
 from tests.unit.gateway.gateway_builders import (
     MODEL,
     MODEL_DIR,

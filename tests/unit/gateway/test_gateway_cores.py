@@ -6,8 +6,6 @@ import json
 
 import pytest
 
-from shared.generation import read_generation_limits
-
 from services.gateway.models import (
     ModelCatalogue,
     ModelLoadError,
@@ -18,6 +16,7 @@ from services.gateway.sequencing import EventSequencer
 from services.gateway.slo import REFERENCE_THRESHOLD, SloEstimator
 from services.gateway.workers import WorkerRegistry
 from services.predictor.core.predictor import RemainingSteps, StepPrediction
+from shared.generation import read_generation_limits
 from shared.messages.base import CacheMode
 from shared.messages.control import WorkerStatus
 from shared.messages.events import (

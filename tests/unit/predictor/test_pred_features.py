@@ -13,12 +13,12 @@ from shared.features import (
 )
 
 
-def test_eleven_features_in_documented_order():
-    assert len(FEATURE_NAMES) == 11
-    row = step_features(0.8, 16, 40, 8, 4, 2, ConfidenceStats(0.1, 0.2, 0.3, 0.35, 0.5))
+def test_thirteen_features_in_documented_order():
+    assert len(FEATURE_NAMES) == 13
+    row = step_features(0.8, 32, 40, 8, 10, 2, ConfidenceStats(0.1, 0.2, 0.3, 0.35, 0.5), block_index=1)
     assert dict(zip(FEATURE_NAMES, row, strict=True)) == {
-        "threshold": 0.8, "output_length": 16.0, "prompt_length": 40.0, "block_length": 8.0,
-        "full_progress": 0.25, "block_progress": 0.25,
+        "threshold": 0.8, "output_length": 32.0, "prompt_length": 40.0, "block_length": 8.0,
+        "full_progress": 0.3125, "block_progress": 0.25, "block_index": 1.0, "blocks_left": 2.0,
         "conf_min": 0.1, "conf_q25": 0.2, "conf_median": 0.3, "conf_mean": 0.35, "conf_q75": 0.5,
     }
 
@@ -31,12 +31,12 @@ def test_feature_sets_are_prefixes():
 def test_arrival_row_has_no_progress_and_missing_confidence():
     row = arrival_features(0.9, 16, 30, 8)
     assert row[: len(ARRIVAL_FEATURE_NAMES)] == [0.9, 16.0, 30.0, 8.0]
-    assert row[4:6] == [0.0, 0.0]
-    assert all(math.isnan(v) for v in row[6:])
+    assert row[4:8] == [0.0, 0.0, 0.0, 1.0]  # no progress, in block 0 of 2
+    assert all(math.isnan(v) for v in row[8:])
 
 
 def test_confidence_as_sequence_and_bad_length():
-    assert step_features(0.5, 8, 4, 8, 0, 0, (1, 1, 1, 1, 1))[6:] == [1.0] * 5
+    assert step_features(0.5, 8, 4, 8, 0, 0, (1, 1, 1, 1, 1))[8:] == [1.0] * 5
     with pytest.raises(ValueError):
         step_features(0.5, 8, 4, 8, 0, 0, (1, 1))
 
@@ -51,6 +51,6 @@ def test_features_after_step_reads_the_decoded_block():
     stats = ConfidenceStats(0.2, 0.3, 0.4, 0.4, 0.5)
     result = StepResult("r", StepKind.CACHE, 1, [4], [5], False, 3, 5, stats, 0.7)
     row = features_after_step(state, result, mask)
-    assert row[:6] == [0.7, 10.0, 3.0, 4.0, 0.5, 0.25]
-    assert row[6:] == [0.2, 0.3, 0.4, 0.4, 0.5]
+    assert row[:8] == [0.7, 10.0, 3.0, 4.0, 0.5, 0.25, 1.0, 1.0]  # block 1 of 3: one block left
+    assert row[8:] == [0.2, 0.3, 0.4, 0.4, 0.5]
     assert features_after_step(state, result, mask, threshold=0.95)[0] == 0.95
