@@ -9,18 +9,25 @@ Two kinds of attention serve the engine's two step kinds:
   of its cache in place, then its queries attend to its whole cache where it lies (the stale prefix
   and suffix and the fresh window): nothing is gathered.
 
-Backends: ``flash`` uses flash-attn's ``flash_attn_varlen_func`` (with a block table over the pool
-for cache steps); ``sdpa`` runs ``scaled_dot_product_attention`` per request on views of the packed
-tensors and of the pool (one call when every request has the same lengths). Both compute the same
-thing; only the kernel differs.
+Backends (all compute the same thing; only the kernel differs):
+
+* ``flash``: flash-attn's ``flash_attn_varlen_func``; cache steps read the pool through a block table
+  (pages of 256 slots, as its paged kernel requires).
+* ``torch_varlen``: PyTorch's own FlashAttention-2 varlen op (``torch.nn.attention.varlen``), for a
+  CUDA machine without flash-attn; cache steps read each request's extent of the flat pool at its
+  offset (``cu_seq_k`` its first slot, ``seqused_k`` its length), which needs the cache step's
+  requests in pool order (the engine sorts them).
+* ``sdpa``: ``scaled_dot_product_attention`` per request on views of the packed tensors and of the
+  pool (one call when every request has the same lengths); CPUs, float32/float64, anything else.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import inspect
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from functools import cached_property
+from functools import cache, cached_property
 
 import torch
 import torch.nn.functional as F
@@ -32,9 +39,11 @@ FLASH_PAGE_SIZE = 256  # flash-attn 2's paged kernel needs pages of a multiple o
 
 class AttentionBackend(StrEnum):
     FLASH = "flash"  # flash-attn's varlen kernel (CUDA, fp16/bf16)
+    TORCH_VARLEN = "torch_varlen"  # PyTorch's FlashAttention-2 varlen op (CUDA, fp16/bf16)
     SDPA = "sdpa"  # torch's scaled_dot_product_attention, one call per request
 
 
+@cache
 def flash_attn_importable() -> bool:
     try:
         import flash_attn  # noqa: F401
@@ -43,19 +52,38 @@ def flash_attn_importable() -> bool:
     return True
 
 
-def flash_supports(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
-    return (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
-            and head_dim % 8 == 0 and head_dim <= 256 and flash_attn_importable())
+@cache
+def torch_varlen_attn() -> Callable | None:
+    """PyTorch's ``varlen_attn`` when this torch has one that takes ``seqused_k`` and ``enable_gqa``."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn if {"seqused_k", "enable_gqa"} <= inspect.signature(varlen_attn).parameters.keys() else None
+
+
+def _fa2_kernel_runs(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    return (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0
+            and head_dim <= 256 and torch.cuda.get_device_capability(device)[0] >= 8)
+
+
+def backend_runs(backend: AttentionBackend, device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    if backend is AttentionBackend.SDPA:
+        return True
+    installed = flash_attn_importable() if backend is AttentionBackend.FLASH else torch_varlen_attn() is not None
+    return installed and _fa2_kernel_runs(device, dtype, head_dim)
 
 
 def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> AttentionBackend:
-    """``auto``: flash-attn where it runs (CUDA, fp16/bf16, installed), SDPA elsewhere."""
+    """``auto``: flash-attn where it runs (CUDA, fp16/bf16, installed), else PyTorch's varlen op, else SDPA."""
     if requested == "auto":
-        return AttentionBackend.FLASH if flash_supports(device, dtype, head_dim) else AttentionBackend.SDPA
+        order = (AttentionBackend.FLASH, AttentionBackend.TORCH_VARLEN, AttentionBackend.SDPA)
+        return next(b for b in order if backend_runs(b, device, dtype, head_dim))
     backend = AttentionBackend(requested)
-    if backend is AttentionBackend.FLASH and not flash_supports(device, dtype, head_dim):
-        raise ValueError(f"flash-attn cannot run here (device {device}, dtype {dtype}, head_dim {head_dim}, "
-                         f"installed: {flash_attn_importable()})")
+    if not backend_runs(backend, device, dtype, head_dim):
+        raise ValueError(f"attention {backend.value} cannot run here (device {device}, dtype {dtype}, "
+                         f"head_dim {head_dim}, flash-attn installed: {flash_attn_importable()}, "
+                         f"torch varlen op: {torch_varlen_attn() is not None})")
     return backend
 
 
@@ -106,18 +134,21 @@ class FreshAttention:
     def __init__(self, backend: AttentionBackend, segments: Segments, device: torch.device,
                  store: CacheWrite | None = None) -> None:
         self.backend, self.segments, self.store = backend, segments, store
-        if backend is AttentionBackend.FLASH:
+        if backend is not AttentionBackend.SDPA:
             self._cu_seqlens = segments.cu_seqlens(device)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """``q`` [T, H, D], ``k``/``v`` [T, H_kv, D] with RoPE applied; the attention output [T, H, D]."""
         if self.store is not None:
             self.store.apply(layer, k, v)
+        longest = max(self.segments.lengths)
         if self.backend is AttentionBackend.FLASH:
             from flash_attn import flash_attn_varlen_func
 
-            longest = max(self.segments.lengths)
             return flash_attn_varlen_func(q, k, v, self._cu_seqlens, self._cu_seqlens, longest, longest, causal=False)
+        if self.backend is AttentionBackend.TORCH_VARLEN:
+            return torch_varlen_attn()(q, k, v, self._cu_seqlens, self._cu_seqlens, longest, longest,
+                                       enable_gqa=k.shape[1] != q.shape[1])
         if self.segments.uniform:
             return _sdpa_uniform(q, k, v, len(self.segments.lengths))
         ranges = list(zip(self.segments.starts, self.segments.lengths, strict=True))
@@ -131,23 +162,28 @@ class CachedAttention:
                  extents: Sequence[Extent], write: CacheWrite) -> None:
         self.backend, self.segments, self.cache, self.write = backend, segments, cache, write
         self.extents = list(extents)
+        device = cache.pool.device
         if backend is AttentionBackend.FLASH:
-            device = cache.pool.device
             self._cu_q = segments.cu_seqlens(device)
             self._cu_k = Segments(tuple(e.num_tokens for e in extents)).cu_seqlens(device)
             self._block_table = _block_table(self.extents, device)
+        elif backend is AttentionBackend.TORCH_VARLEN:
+            self._cu_q = segments.cu_seqlens(device)
+            self._cu_k, self._seqused_k = _slot_offsets(self.extents, cache.page_size, device)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.write.apply(layer, k, v)
+        longest_q, longest_k = max(self.segments.lengths), max(e.num_tokens for e in self.extents)
         if self.backend is AttentionBackend.FLASH:
             from flash_attn import flash_attn_varlen_func
 
             keys, values = self.cache.layer_pages(layer)
-            return flash_attn_varlen_func(
-                q, keys, values, self._cu_q, self._cu_k, max(self.segments.lengths),
-                max(e.num_tokens for e in self.extents), causal=False, block_table=self._block_table,
-            )
+            return flash_attn_varlen_func(q, keys, values, self._cu_q, self._cu_k, longest_q, longest_k,
+                                          causal=False, block_table=self._block_table)
         keys, values = self.cache.layer_slots(layer)
+        if self.backend is AttentionBackend.TORCH_VARLEN:
+            return torch_varlen_attn()(q, keys, values, self._cu_q, self._cu_k, longest_q, longest_k,
+                                       enable_gqa=keys.shape[1] != q.shape[1], seqused_k=self._seqused_k)
         key_ranges = [(e.first_slot(self.cache.page_size), e.num_tokens) for e in self.extents]
         query_ranges = list(zip(self.segments.starts, self.segments.lengths, strict=True))
         return _sdpa_per_request(q, keys, values, query_ranges, key_ranges)
@@ -159,6 +195,20 @@ def _block_table(extents: Sequence[Extent], device: torch.device) -> torch.Tenso
     for row, e in enumerate(extents):
         table[row, : e.num_pages] = torch.arange(e.first_page, e.first_page + e.num_pages, dtype=torch.int32)
     return table.to(device)
+
+
+def _slot_offsets(extents: Sequence[Extent], page_size: int, device: torch.device):
+    """``cu_seq_k`` and ``seqused_k`` that read request i's ``num_tokens`` slots from its first slot.
+
+    ``cu_seq_k`` must increase, so the extents must come in pool order; the span from one extent's
+    first slot to the next may hold other requests' slots, which ``seqused_k`` leaves unread.
+    """
+    firsts = [e.first_slot(page_size) for e in extents]
+    if firsts != sorted(firsts):
+        raise ValueError("torch_varlen cache steps need their requests in pool order")
+    offsets = torch.tensor([*firsts, firsts[-1] + extents[-1].num_tokens], dtype=torch.int32, device=device)
+    used = torch.tensor([e.num_tokens for e in extents], dtype=torch.int32, device=device)
+    return offsets, used
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -203,7 +203,8 @@ class DLMEngine:
         kv_page_size: int | None = None,
         kv_capacity_tokens: int = 0,
     ) -> None:
-        """``attention``: ``auto`` (flash-attn where it runs, else SDPA), ``flash`` or ``sdpa``.
+        """``attention``: ``auto`` (flash-attn where it runs, else PyTorch's varlen op on CUDA, else
+        SDPA), ``flash``, ``torch_varlen`` or ``sdpa`` (``services/worker/attention.py``).
         ``kv_page_size``: slots per KV page (flash-attn needs 256; SDPA defaults to 16).
         ``kv_capacity_tokens``: positions the KV pool holds from the start (it grows when full)."""
         self.model = model.eval()
@@ -292,6 +293,8 @@ class DLMEngine:
         self.last_step_traffic = {}
         for kind in (StepKind.RECOMPUTE, StepKind.CACHE):
             group = [it for it in items if it.kind is kind]
+            if kind is StepKind.CACHE:  # in pool order: the torch_varlen kernel reads keys at increasing offsets
+                group.sort(key=lambda it: self.kv_cache.extent(it.state.request_id).first_page)
             if group:
                 copied, written = self.kv_cache.bytes_copied, self.kv_cache.bytes_written
                 confidences, tokens = self._forward(group)

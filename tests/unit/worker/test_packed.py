@@ -1,15 +1,19 @@
 """The packed engine (no padding, KV cache read in place) against the padded reference, token for token."""
 
 import random
+import sys
+import types
 
 import pytest
 import torch
 
-from services.worker.attention import AttentionBackend, FreshAttention, Segments
+from services.worker import attention
+from services.worker.attention import AttentionBackend, FreshAttention, Segments, resolve_backend
 from services.worker.engine import CacheMode, DLMEngine, StepKind
 from services.worker.kv_cache import PagedKVCache
 from services.worker.reference import reference_generate
 
+from . import varlen_emulation
 from .conftest import tiny_model
 
 MODES = [CacheMode.NONE, CacheMode.PREFIX, CacheMode.DUAL]
@@ -69,6 +73,39 @@ def test_early_stop_at_eos_matches_the_reference_with_a_cache(mode):
     for state, (prompt, gen, block, tau) in zip(states, specs, strict=True):
         ref = reference_generate(model, prompt, gen, block, tau, stop_at_eos=True, cache=mode)
         assert state.canvas == ref.tokens and state.num_steps == ref.num_steps
+
+
+@pytest.fixture
+def emulated_kernels(monkeypatch):
+    """flash-attn and PyTorch's varlen op replaced by CPU stand-ins that check their contracts."""
+    fake = types.ModuleType("flash_attn")
+    fake.flash_attn_varlen_func = varlen_emulation.flash_attn_varlen_func
+    monkeypatch.setitem(sys.modules, "flash_attn", fake)
+    monkeypatch.setattr(attention, "torch_varlen_attn", lambda: varlen_emulation.varlen_attn)
+
+
+@pytest.mark.parametrize("backend", [AttentionBackend.FLASH, AttentionBackend.TORCH_VARLEN])
+@pytest.mark.parametrize("variant", sorted(MODELS))
+@pytest.mark.parametrize("mode", MODES)
+def test_varlen_kernel_arguments_give_the_reference_tokens(emulated_kernels, backend, variant, mode):
+    model = tiny_model(**MODELS[variant])
+    page_size = 256 if backend is AttentionBackend.FLASH else 4
+    engine = DLMEngine(model, stop_at_eos=False, kv_page_size=page_size)
+    engine.attention = backend  # the kernels run on CUDA only: here their stand-ins
+    specs = _specs(seed=len(variant) + 3 * len(mode), count=7)
+    states = [engine.new_request(f"r{i}", p, g, b, mode) for i, (p, g, b, _) in enumerate(specs)]
+    _run_staggered(engine, states, [t for *_, t in specs])  # pages freed and reused: pool order != batch order
+    for state, (prompt, gen, block, tau) in zip(states, specs, strict=True):
+        ref = reference_generate(model, prompt, gen, block, tau, stop_at_eos=False, cache=mode)
+        assert state.canvas == ref.tokens and state.num_steps == ref.num_steps
+
+
+def test_auto_attention_is_sdpa_on_a_cpu_and_kernels_are_refused_there():
+    cpu = torch.device("cpu")
+    assert resolve_backend("auto", cpu, torch.bfloat16, 128) is AttentionBackend.SDPA
+    for kernel in ("flash", "torch_varlen"):
+        with pytest.raises(ValueError, match="cannot run here"):
+            resolve_backend(kernel, cpu, torch.bfloat16, 128)
 
 
 def test_cache_modes_give_their_own_tokens():
