@@ -229,6 +229,9 @@ class NodeAgentSettings(ServiceSettings):
 
     node: str = _own("node_agent", "node", "local", "this node's name (plans address it)")
     gpu_ids: list[int] = _own("node_agent", "gpu_ids", [0], "GPUs this agent manages (JSON list)")
+    num_gpus: int | None = _own("node_agent", "num_gpus", None,
+                                "GPUs of this node; with DLS_NODE_AGENT_GPU_IDS unset they are 0..n-1, and with "
+                                "DLS_NODE_AGENT_INITIAL_INSTANCES unset one TP-1 worker starts on each", gt=0)
     worker_command: str = _own("node_agent", "worker_command", "python -m services.worker",
                                "command that starts a worker (settings passed as DLS_WORKER_* variables)")
     start_timeout_s: float = _own("node_agent", "start_timeout_s", 120.0,
@@ -246,6 +249,19 @@ class NodeAgentSettings(ServiceSettings):
     hang_timeout_s: float = _own("node_agent", "hang_timeout_s", 30.0,
                                  "a READY worker silent for this long, or reporting a step computing for this long, "
                                  "is hung: killed and restarted", gt=0)
+
+    @model_validator(mode="after")
+    def _gpus_from_count(self) -> NodeAgentSettings:
+        if self.num_gpus is None:
+            return self
+        if "gpu_ids" not in self.model_fields_set:
+            self.gpu_ids = list(range(self.num_gpus))
+        elif len(self.gpu_ids) != self.num_gpus:
+            raise ValueError(f"DLS_NODE_AGENT_GPU_IDS {self.gpu_ids} are not DLS_NODE_AGENT_NUM_GPUS "
+                             f"{self.num_gpus} GPUs")
+        if "initial_instances" not in self.model_fields_set:
+            self.initial_instances = [1] * self.num_gpus
+        return self
 
 
 SERVICE_SETTINGS: dict[str, type[ServiceSettings]] = {  # service name -> its settings class

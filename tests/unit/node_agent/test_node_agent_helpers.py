@@ -74,3 +74,14 @@ def test_ack_status():
     assert ack_status(0, []) == PlanAckStatus.APPLIED
     assert ack_status(2, ["x"]) == PlanAckStatus.PARTIAL
     assert ack_status(0, ["x"]) == PlanAckStatus.FAILED
+
+
+def test_a_gpu_count_gives_the_gpus_and_one_tp1_worker_each_unless_they_are_set():
+    settings = NodeAgentSettings(num_gpus=4)
+    assert settings.gpu_ids == [0, 1, 2, 3] and settings.initial_instances == [1, 1, 1, 1]
+    assert initial_slots(settings.gpu_ids, settings.initial_instances) == [(0,), (1,), (2,), (3,)]
+    assert NodeAgentSettings(num_gpus=2, initial_instances=[2]).initial_instances == [2]
+    assert NodeAgentSettings(num_gpus=2, gpu_ids=[4, 5]).gpu_ids == [4, 5]
+    with pytest.raises(ValueError, match=r"GPU_IDS \[0\] are not DLS_NODE_AGENT_NUM_GPUS 2 GPUs"):
+        NodeAgentSettings(num_gpus=2, gpu_ids=[0])
+    assert NodeAgentSettings().gpu_ids == [0]  # no count: as before
