@@ -8,10 +8,11 @@ gets a recompute step, as in the real worker.
 - ``model``: one ``DLMEngine`` per instance, all sharing the bundled model's weights; each batched
   step of the simulation is one real ``DLMEngine.step`` call.
 - ``replay``: per-step commit counts sampled from a ``ReplayTrace`` recorded with the real engine at
-  every candidate threshold (``calibrate``), keyed by task family, block, masked positions left in
-  the block and threshold; the number of blocks a request runs (where its answer ends) is sampled
-  from the family's recorded requests; correctness is a Bernoulli draw with the recorded accuracy at
-  the thresholds its tokens were committed at (token-weighted).
+  every candidate threshold (``calibrate``, at the workload's canvas and block length and for its task
+  families), keyed by task family, block, masked positions left in the block and threshold; the
+  number of blocks a request runs (where its answer ends, early stop at EOS) comes from the recorded
+  problem it follows; correctness is a Bernoulli draw with the recorded accuracy at the thresholds
+  its tokens were committed at (token-weighted).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Protocol
 import numpy as np
 
 from services.scheduler.core import CacheMode
-from shared.tasks import Family, Split, TaskGenerator, check_answer
+from shared.tasks import SHORT_FAMILIES, Family, Split, TaskGenerator, check_answer
 from sim.registry import Registry
 from sim.workload import RequestSpec
 
@@ -212,7 +213,7 @@ class ReplayTrace:
         return {float(t): self.gen_len / max(s, 1e-9) for t, s in self.mean_steps.items()}
 
     def overall_accuracy(self) -> dict[float, float]:
-        """threshold -> accuracy over both families (the calibration draws them half and half)."""
+        """threshold -> accuracy over the families (the calibration draws them in equal shares)."""
         families = list(self.accuracy.values())
         keys = set.intersection(*(set(f) for f in families)) if families else set()
         return {float(k): sum(f[k] for f in families) / len(families) for k in keys}
@@ -258,18 +259,23 @@ def calibrate(
     seed: int = 12345,
     trace_dir: str | Path | None = DEFAULT_TRACE_DIR,
     num_shots: int | None = None,
+    gen_len: int | None = None,
+    block_len: int | None = None,
+    families: tuple[Family, ...] = SHORT_FAMILIES,
 ) -> ReplayTrace:
     """Record (or load the cached) replay trace: every problem decoded at each threshold.
 
-    Problems: held-out split, both families, ``num_shots`` few-shot examples (None: 0-8 in turn),
-    a seed no workload uses.
+    Problems: held-out split, ``families`` in turn, ``num_shots`` few-shot examples (None: 0-8 in
+    turn), a seed no workload uses; decoded on a canvas of ``gen_len`` in blocks of ``block_len``
+    (None: the model's defaults), as served (early stop at EOS, dual cache).
     """
     key = model_key(model_dir)
     shots = "mix" if num_shots is None else str(num_shots)
-    path = Path(trace_dir) / f"trace-v4-{key}-{num_problems}-{seed}-{shots}.json" if trace_dir else None
+    shape = f"{gen_len or 'default'}x{block_len or 'default'}-{'+'.join(f.value for f in families)}"
+    path = (Path(trace_dir) / f"trace-v5-{key}-{num_problems}-{seed}-{shots}-{shape}.json") if trace_dir else None
     if path is not None and path.exists():
         return ReplayTrace.from_json(json.loads(path.read_text()))
-    trace = _record(model_dir, key, num_problems, thresholds, seed, num_shots)
+    trace = _record(model_dir, key, num_problems, thresholds, seed, num_shots, gen_len, block_len, families)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(trace.to_json()))
@@ -277,7 +283,8 @@ def calibrate(
 
 
 def _record(
-    model_dir, key: str, num_problems: int, thresholds: tuple[float, ...], seed: int, num_shots: int | None
+    model_dir, key: str, num_problems: int, thresholds: tuple[float, ...], seed: int, num_shots: int | None,
+    gen_len: int | None, block_len: int | None, families: tuple[Family, ...],
 ) -> ReplayTrace:
     import torch
 
@@ -287,10 +294,11 @@ def _record(
     engine = DLMEngine.from_pretrained(model_dir)
     tasks = TaskGenerator(seed=seed)
     problems = [
-        tasks.problem(i % 9 if num_shots is None else num_shots, Split.HELD_OUT, (Family.ADD, Family.WORDS)[i % 2])
+        tasks.problem(i % 9 if num_shots is None else num_shots, Split.HELD_OUT, families[i % len(families)])
         for i in range(num_problems)
     ]
-    gen, block = engine.default_gen_length, engine.default_block_length
+    per_family = {f.value: sum(p.family is f for p in problems) for f in families}
+    gen, block = gen_len or engine.default_gen_length, block_len or engine.default_block_length
     trace = ReplayTrace(key, gen, block, tuple(thresholds), num_requests=num_problems)
     counts: dict[str, dict[int, int]] = defaultdict(lambda: defaultdict(int))
     samples: dict[str, list[list[float]]] = defaultdict(list)
@@ -321,7 +329,7 @@ def _record(
             ok = check_answer(p, engine.tokenizer.decode(s.canvas))
             trace.correct[_tkey(tau)].append(int(ok))
             trace.accuracy.setdefault(p.family.value, {}).setdefault(_tkey(tau), 0.0)
-            trace.accuracy[p.family.value][_tkey(tau)] += ok / (num_problems / 2)
+            trace.accuracy[p.family.value][_tkey(tau)] += ok / per_family[p.family.value]
             del i
         trace.mean_steps[_tkey(tau)] = statistics.fmean(s.num_steps for s in states)
         trace.mean_recompute_steps[_tkey(tau)] = statistics.fmean(recompute)

@@ -23,7 +23,7 @@ from services.scheduler.core import CacheMode, ClusterView, SchedulingLoop, make
 from services.scheduler.core.policies import POLICIES
 from services.scheduler.core.threshold import within_quality_budget
 from shared.profiles import LatencyProfile
-from shared.tasks import Split, TaskGenerator
+from shared.tasks import SHORT_FAMILIES, Family, Split, TaskGenerator
 from sim.cluster import SimCluster, initial_placement
 from sim.engines import DEFAULT_MODEL_DIR, ENGINES, ReplayTrace, calibrate
 from sim.metrics import attainment_over_time, summarize
@@ -102,7 +102,10 @@ def setup(
 ) -> Setup:
     # the preset's own few-shot count when all its prompts have one (closer replay), else a mix
     shots = preset.workload.num_shots if preset.workload.lengths == "fixed" else None
-    trace = trace or calibrate(model_dir, num_shots=shots)
+    workload = preset.workload
+    families = (Family(workload.family),) if workload.family else SHORT_FAMILIES
+    trace = trace or calibrate(model_dir, num_shots=shots, gen_len=workload.gen_len, block_len=workload.block_len,
+                               families=families)
     anchor = _mean_context(model_dir, preset.workload.num_shots, trace.gen_len)
     rec, cache = trace.isolated_steps(SLO_BASE_THRESHOLD)
     scale = preset.llada_steps_per_request / (rec + cache) if preset.llada_steps_per_request else 1.0

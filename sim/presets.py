@@ -253,3 +253,50 @@ PRESETS.register(
         quick_overrides={"workload": {"num_requests": 100}},
     ),
 )
+
+# LLaDA's GSM8K setting (256 tokens in blocks of 32: 8 blocks, answers ending early at EOS) scaled to the
+# bundled model: the long family (chain, 35-125 tokens) on a 128-token canvas in blocks of 16, dual cache.
+_LONG_WORKLOAD = WorkloadConfig(arrival="poisson", num_requests=3000, num_shots=5, gen_len=128, block_len=16,
+                                family="chain")
+
+PRESETS.register(
+    "paper-bench-long",
+    Preset(
+        "paper-bench-long",
+        "paper-bench where answers are long: the chain family (35-125 tokens, 4-8 blocks of 16 on a 128-token "
+        "canvas, stopping at the EOS block), dual KV cache; SLO 5x isolated TP-1 latency at 0.9",
+        _BENCH_CLUSTER,
+        _LONG_WORKLOAD,
+        _rate_points((0.5, 1.0, 1.5, 2.0, 3.0)),
+        cache_mode=CacheMode.DUAL,
+        quick_overrides={"workload": {"num_requests": 800}, "points": _rate_points((1.0, 2.0))},
+    ),
+)
+
+PRESETS.register(
+    "ablation-threshold-long",
+    Preset(
+        "ablation-threshold-long",
+        "Paper Fig. 10 on paper-bench-long: fixed threshold vs SLO-aware vs SLO-aware + load control",
+        _BENCH_CLUSTER,
+        _LONG_WORKLOAD,
+        _rate_points((1.0, 2.0, 3.0)),
+        policies=("fixed-0.9", "dilaserve-no-loadctl", "dilaserve"),
+        cache_mode=CacheMode.DUAL,
+        quick_overrides={"workload": {"num_requests": 800}, "points": _rate_points((2.0, 3.0))},
+    ),
+)
+
+PRESETS.register(
+    "ablation-predictor-long",
+    Preset(
+        "ablation-predictor-long",
+        "Paper Fig. 6 on paper-bench-long: one-shot vs online remaining-step prediction",
+        _BENCH_CLUSTER,
+        _LONG_WORKLOAD,
+        _rate_points((1.0, 2.0)),
+        policies=("dilaserve-oneshot", "dilaserve"),
+        cache_mode=CacheMode.DUAL,
+        quick_overrides={"workload": {"num_requests": 800}, "points": _rate_points((2.0,))},
+    ),
+)

@@ -39,6 +39,25 @@ def _ints(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected integers separated by commas, got {text!r}") from None
 
 
+DEFAULT_FAMILIES = "add=0.35,words=0.35,chain=0.3"  # the short families and the long one
+
+
+def _family_weights(text: str) -> dict:
+    from shared.tasks import Family
+
+    weights = {}
+    for part in (p for p in text.split(",") if p.strip()):
+        name, _, weight = part.partition("=")
+        try:
+            weights[Family(name.strip())] = float(weight) if weight else 1.0
+        except ValueError:
+            known = ", ".join(f.value for f in Family)
+            raise argparse.ArgumentTypeError(f"expected family=weight pairs of {known}, got {part!r}") from None
+    if not weights or min(weights.values()) < 0 or sum(weights.values()) <= 0:
+        raise argparse.ArgumentTypeError(f"--families needs positive weights, got {text!r}")
+    return weights
+
+
 def _register_collect(subparsers) -> None:
     from services.predictor.traces import DEFAULT_THRESHOLDS
 
@@ -52,6 +71,8 @@ def _register_collect(subparsers) -> None:
     p.add_argument("--switch-fraction", type=float, default=0.5, help="requests that switch threshold once")
     p.add_argument("--batch-size", type=int, default=48)
     p.add_argument("--max-shots", type=int, default=8)
+    p.add_argument("--families", type=_family_weights, default=_family_weights(DEFAULT_FAMILIES),
+                   help=f"task families and their shares (default {DEFAULT_FAMILIES})")
     p.add_argument("--gen-lengths", type=_ints, default=(), help="drawn per request (default: the model's)")
     p.add_argument("--block-lengths", type=_ints, default=(), help="drawn per request (default: the model's)")
     p.add_argument("--cache", choices=["none", "prefix", "dual"], default="dual")
@@ -81,7 +102,7 @@ def _collect(args: argparse.Namespace) -> int:
     for name, count, seed, split in jobs:
         if count == 0:
             continue
-        problems = TaskGenerator(seed).problems(count, args.max_shots, split=split)
+        problems = TaskGenerator(seed, family_weights=args.families).problems(count, args.max_shots, split=split)
         try:
             rows = collect_traces(engine, problems, seed, config, on_progress=_progress_printer(name))
         except EngineError as exc:
@@ -106,6 +127,8 @@ def _write_manifest(traces: Path, args: argparse.Namespace, count: int, seed: in
         "engine_model_steps_done": info.get("steps_done"),
         "requests": count, "seed": seed, "split": str(split), "thresholds": list(args.thresholds),
         "switch_fraction": args.switch_fraction, "cache_mode": args.cache,
+        "families": {f.value: w for f, w in args.families.items()}, "gen_lengths": list(args.gen_lengths),
+        "block_lengths": list(args.block_lengths),
     }
     _manifest_path(traces).write_text(json.dumps(manifest, indent=2) + "\n")
 

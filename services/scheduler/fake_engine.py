@@ -41,7 +41,7 @@ class FakeEngine:
     def predict_for(self, request: Request | _Progress) -> Prediction:
         """A noisy remaining-step prediction for every threshold the engine knows."""
         remaining = max(request.num_remaining_tokens, 0)
-        recompute = request.num_remaining_recompute_steps
+        recompute = request.max_remaining_recompute_steps
         steps = {}
         for threshold, rate in self.tokens_per_step.items():
             total = max(int(np.ceil(remaining / rate * self.rng.uniform(0.8, 1.2))), recompute)
@@ -73,5 +73,5 @@ class _Progress:
     def __init__(self, request: Request, num: int) -> None:
         self.num_remaining_tokens = request.num_remaining_tokens - num
         # the current block is started (or done) either way: only later blocks need a recompute
-        self.num_remaining_recompute_steps = max(request.num_blocks - request.current_block - 1, 0)
+        self.max_remaining_recompute_steps = max(request.num_blocks - request.current_block - 1, 0)
         self.num_steps_done = request.num_steps_done + 1

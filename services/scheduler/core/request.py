@@ -119,10 +119,16 @@ class Request:
         return self.cache_mode == CacheMode.NONE or self.num_block_steps == 0
 
     @property
-    def num_remaining_recompute_steps(self) -> int:
-        """Known exactly with a cache: one per block not started yet."""
+    def max_remaining_recompute_steps(self) -> int:
+        """With a cache, at most one per block not started yet: fewer when the answer's EOS ends it
+        early (a request stops at the block that completes its EOS)."""
         started = 0 if self.num_block_steps == 0 else 1
         return max(self.num_blocks - self.current_block - started, 0)
+
+    @property
+    def min_remaining_recompute_steps(self) -> int:
+        """With a cache, at least the step that starts the next block when that is the next step."""
+        return int(self.num_remaining_tokens > 0 and self.num_block_steps == 0)
 
     def budget(self, now: float) -> float:
         """Remaining SLO budget B_r in seconds (negative once the deadline has passed)."""

@@ -86,10 +86,11 @@ class StepEstimator:
 
     Sources, in order: the latest prediction (ONLINE) or the first one (ONESHOT); for thresholds a
     prediction lacks, or requests with no prediction yet, the fallback: remaining tokens divided by
-    an assumed tokens-per-step at that threshold. With a cache, the number of recompute steps left is
-    known exactly (one per block not yet started), so it always comes from the request's counters;
-    the rest of the predicted total is cache steps. Without a cache every step is a full step and is
-    counted as a recompute step.
+    an assumed tokens-per-step at that threshold (every canvas position, one recompute step per
+    block not started: an upper bound, since answers stop at their EOS block). With a cache, the
+    recompute steps left are the prediction's, kept within what the counters allow (at most one per
+    block not started, at least one when the next step starts a block); the rest of the total is cache
+    steps. Without a cache every step is a full step and is counted as a recompute step.
     """
 
     def __init__(
@@ -113,37 +114,43 @@ class StepEstimator:
         Totals are made non-decreasing in the threshold (a higher threshold never needs fewer
         steps), which noisy predictions can violate and the load controller relies on.
         """
-        totals = self._fallback_totals(requests)
-        self._apply_predictions(requests, totals)
+        upper = np.array([r.max_remaining_recompute_steps for r in requests], dtype=float)[:, None]
+        lower = np.array([r.min_remaining_recompute_steps for r in requests], dtype=float)[:, None]
+        totals = self._fallback_totals(requests, upper)
+        recompute = np.broadcast_to(upper, totals.shape).copy()  # the fallback's: every block left
+        self._apply_predictions(requests, totals, recompute)
         totals = np.maximum.accumulate(totals, axis=1)
         no_cache = np.array([r.cache_mode == CacheMode.NONE for r in requests])
-        num_recompute = np.array([r.num_remaining_recompute_steps for r in requests], dtype=float)
-        recompute = np.where(no_cache[:, None], totals, np.minimum(num_recompute[:, None], totals))
+        recompute = np.minimum(np.clip(recompute, lower, upper), totals)
+        recompute = np.where(no_cache[:, None], totals, recompute)
         return recompute, totals - recompute
 
-    def _fallback_totals(self, requests: Sequence[Request]) -> np.ndarray:
+    def _fallback_totals(self, requests: Sequence[Request], blocks_left: np.ndarray) -> np.ndarray:
         """Remaining tokens / tokens-per-step, at least one step per block not yet started."""
         remaining = np.array([r.num_remaining_tokens for r in requests], dtype=float)
-        floor = np.array([r.num_remaining_recompute_steps for r in requests], dtype=float)
         totals = np.ceil(remaining[:, None] / self.rates[None, :])
-        return np.where(remaining[:, None] > 0, np.maximum(totals, floor[:, None]), 0.0)
+        return np.where(remaining[:, None] > 0, np.maximum(totals, blocks_left), 0.0)
 
-    def _apply_predictions(self, requests: Sequence[Request], totals: np.ndarray) -> None:
-        """Overwrite fallback totals (in place) where a usable prediction exists."""
+    def _apply_predictions(self, requests: Sequence[Request], totals: np.ndarray, recompute: np.ndarray) -> None:
+        """Overwrite fallback totals and recompute steps (in place) where a usable prediction exists."""
         online = self.mode == PredictionMode.ONLINE
         indexed = [(i, r, r.prediction if online else r.first_prediction) for i, r in enumerate(requests)]
         indexed = [(i, r, p) for i, r, p in indexed if p is not None]
         if not indexed:
             return
         missing = (np.nan, np.nan)
-        steps = np.array(
+        split = np.array(
             [[p.threshold_to_steps.get(t, missing) for t in self.grid.values] for _, _, p in indexed], dtype=float
-        ).sum(axis=2)
+        )  # (requests, thresholds, [recompute, cache])
         rows = [i for i, _, _ in indexed]
         scale, elapsed = np.array([self._staleness(r, p) for _, r, p in indexed]).T
-        floor = np.array([r.num_remaining_recompute_steps if r.num_remaining_tokens else 0 for _, r, _ in indexed])
-        predicted = np.maximum(scale[:, None] * steps - elapsed[:, None], floor[:, None])
+        floor = np.array([1.0 if r.num_remaining_tokens else 0.0 for _, r, _ in indexed])  # one step at least
+        predicted = np.maximum(scale[:, None] * split.sum(axis=2) - elapsed[:, None], floor[:, None])
         totals[rows] = np.where(np.isnan(predicted), totals[rows], predicted)
+        # a block started since the prediction was made is at most one recompute too many: the
+        # counters' bounds (estimate_many) keep it within what is left
+        predicted_recompute = scale[:, None] * split[:, :, 0]
+        recompute[rows] = np.where(np.isnan(predicted_recompute), recompute[rows], predicted_recompute)
 
     def _staleness(self, request: Request, prediction: Prediction) -> tuple[float, float]:
         """(scale, steps to subtract) turning a past prediction into a remaining count now."""

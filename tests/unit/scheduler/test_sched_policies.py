@@ -135,7 +135,7 @@ def test_request_lifecycle_and_counters(profile):
     assert request.status == RequestStatus.RUNNING and request.next_step_is_recompute
     loop.on_step_result(0.1, step_result("i0", outcome("r", 4, recompute=True)))
     assert (request.num_steps_done, request.num_tokens_committed, request.num_block_steps) == (1, 4, 1)
-    assert not request.next_step_is_recompute and request.num_remaining_recompute_steps == 1
+    assert not request.next_step_is_recompute and request.max_remaining_recompute_steps == 1
     loop.on_step_result(0.2, step_result("i0", outcome("r", 28, block_done=True)))
     assert request.current_block == 1 and request.next_step_is_recompute
     loop.on_step_result(0.3, step_result("i0", outcome("r", 32, block_done=True, finished=True)))

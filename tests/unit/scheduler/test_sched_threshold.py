@@ -165,3 +165,19 @@ def test_quality_budget_errors_name_what_is_missing():
         within_quality_budget((0.6, 0.9), {0.9: 1.0}, 1.0)
     with pytest.raises(ValueError, match="budget"):
         within_quality_budget((0.9,), {0.9: 1.0}, -1.0)
+
+
+def test_recompute_steps_follow_the_prediction_when_answers_stop_early():
+    """A 128-token canvas in blocks of 8 has 16 blocks, but a short answer stops at its EOS block:
+    the predicted recompute steps stand (not one per block left), within the counters' bounds."""
+    grid = ThresholdGrid((0.5, 0.9))
+    estimator = StepEstimator(grid, {0.5: 8.0, 0.9: 2.0})
+    request = make_request("r", gen_len=128, block_len=8)
+    request.record_prediction(uniform_prediction({0.5: (2, 1), 0.9: (2, 6)}))
+    recompute, cache = estimator.estimate(request)
+    assert list(recompute) == [2, 2] and list(cache) == [1, 6]
+    request.record_prediction(uniform_prediction({0.5: (0, 1), 0.9: (40, 6)}))
+    recompute, _ = estimator.estimate(request)
+    assert list(recompute) == [1, 16]  # the next step starts block 0; at most the 16 blocks left
+    recompute, cache = StepEstimator(grid, {0.5: 8.0, 0.9: 2.0}).estimate(make_request("s", gen_len=128, block_len=8))
+    assert list(recompute) == [16, 16]  # no prediction yet: every block left (an upper bound)
