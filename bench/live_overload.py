@@ -7,24 +7,54 @@ short warm-up, then the open-loop load, stop the stack, and report SLO attainmen
 latency and the thresholds used. Prints JSON (``--json`` writes it too).
 
     python -m bench.live_overload --rate 4 --duration 60 --json runs/live-overload.json
+    python -m bench.live_overload --workload long --rate R --duration 60 --json runs/live-overload-long.json
+
+``--workload short`` (the default) sends the short families with max_tokens 16; ``long`` sends the chain
+family (35-125 tokens) with max_tokens 128 in blocks of 16 with the dual cache, as paper-bench-long
+does in the simulator. Without ``--slo-ms`` the SLO is measured: 5x the median latency of requests
+sent one at a time at threshold 0.9 to the first policy's stack (the same SLO for every policy).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 from bench.common import emit_json
 from loadgen.driver import poisson_plan, run_plan, summarize
 from shared.runtime import free_port
+from shared.tasks import Family
+
+SLO_FACTOR = 5.0  # SLO = this times the isolated latency at 0.9 (as the simulator's presets)
+ISOLATED_SAMPLES = 3  # requests sent one at a time to measure the isolated latency
+
+
+@dataclass(frozen=True)
+class LiveWorkload:
+    """What a run sends: task family, cap, block and cache, and the pacing that stands for LLaDA-8B."""
+
+    family: Family | None  # None: the short families' mix
+    max_tokens: int
+    block_length: int | None  # None: the model's default
+    cache: str
+    pace_scale: float  # each bundled-model step paced as this many LLaDA-8B steps
+
+
+WORKLOADS = {
+    "short": LiveWorkload(None, 16, None, "none", 10.8),  # 80 LLaDA steps / 7.4 bundled-model steps
+    "long": LiveWorkload(Family.CHAIN, 128, 16, "dual", 1.6),  # 80 / the chain's ~50 steps at 0.9
+}
 
 
 def start_stack(policy: str, args, run_dir: Path) -> tuple[subprocess.Popen, str]:
@@ -63,15 +93,34 @@ def run_policy(policy: str, args) -> dict:
     run_dir = Path(args.run_dir) / policy
     run_dir.mkdir(parents=True, exist_ok=True)
     process, url = start_stack(policy, args, run_dir)
+    workload = WORKLOADS[args.workload]
+    shape = {"max_tokens": workload.max_tokens, "family": workload.family, "block_length": workload.block_length}
     try:
-        warmup = poisson_plan(1.0, 3.0, slo_ms=args.slo_ms, seed=args.seed + 1)
+        warmup = poisson_plan(1.0, 3.0, slo_ms=args.slo_ms or 60_000.0, seed=args.seed + 1, **shape)
         asyncio.run(run_plan(url, warmup, cache=args.cache))
-        plan = poisson_plan(args.rate, args.duration, slo_ms=args.slo_ms, seed=args.seed)
+        if args.slo_ms is None:
+            args.slo_ms = round(SLO_FACTOR * isolated_latency_ms(url, args, shape), 1)
+            print(f"SLO {args.slo_ms:.0f} ms ({SLO_FACTOR:g}x the isolated latency at 0.9)", file=sys.stderr)
+        plan = poisson_plan(args.rate, args.duration, slo_ms=args.slo_ms, seed=args.seed, **shape)
         print(f"{policy}: {len(plan)} requests over {args.duration:.0f} s ...", file=sys.stderr, flush=True)
         results = asyncio.run(run_plan(url, plan, cache=args.cache))
         return summarize(results, args.duration)
     finally:
         stop_stack(process)
+
+
+def isolated_latency_ms(url: str, args, shape: dict) -> float:
+    """Median latency of requests sent one at a time at threshold 0.9 (a quality floor of 0.9 pins it)."""
+    latencies = []
+    samples = poisson_plan(50.0, 1.0, slo_ms=600_000.0, seed=args.seed + 100, **shape)[:ISOLATED_SAMPLES]
+    for planned in samples:
+        alone = dataclasses.replace(planned, arrival_s=0.0, min_threshold=0.9)
+        [result] = asyncio.run(run_plan(url, [alone], cache=args.cache))
+        if result.finished:
+            latencies.append(result.latency_s * 1000.0)
+    if not latencies:
+        raise RuntimeError("no isolated request finished: cannot measure the SLO (pass --slo-ms)")
+    return statistics.median(latencies)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,20 +129,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=float, default=4.0,
                    help="arrivals per second (default: about 2x what 2 workers serve at threshold 0.9)")
     p.add_argument("--duration", type=float, default=60.0, help="seconds of load")
-    p.add_argument("--slo-ms", type=float, default=6500.0, help="every request's SLO (5x isolated latency at 0.9)")
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="short",
+                   help="short: the short families, max_tokens 16; long: the chain family, 128 in blocks of 16")
+    p.add_argument("--slo-ms", type=float, default=None,
+                   help="every request's SLO; default: 5x the isolated latency at 0.9, measured")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--pace", default="profiles/llada-8b-h100.json")
-    p.add_argument("--pace-scale", type=float, default=10.8,
-                   help="each bundled-model step paced as this many LLaDA-8B steps (80 / 7.4, as the simulator)")
-    p.add_argument("--cache", default="none", choices=["none", "prefix", "dual"])
+    p.add_argument("--pace-scale", type=float, default=None,
+                   help="each bundled-model step paced as this many LLaDA-8B steps (default: the workload's, "
+                        "80 LLaDA steps over the bundled model's steps per request at 0.9, as the simulator)")
+    p.add_argument("--cache", default=None, choices=["none", "prefix", "dual"], help="default: the workload's")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--run-dir", default="runs/live-overload")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    workload = WORKLOADS[args.workload]
+    args.pace_scale = workload.pace_scale if args.pace_scale is None else args.pace_scale
+    args.cache = args.cache or workload.cache
     report = {"config": {k: v for k, v in vars(args).items() if k not in ("json", "run_dir")}, "policies": {}}
     for policy in args.policies.split(","):
         report["policies"][policy] = run_policy(policy, args)
         print(json.dumps({policy: report["policies"][policy]}), file=sys.stderr, flush=True)
+    report["config"]["slo_ms"] = args.slo_ms  # measured in the first policy's stack when not given
     emit_json(report, args.json)
     return 0
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import httpx
 import numpy as np
 
-from shared.tasks import Problem, Split, TaskGenerator, check_answer
+from shared.tasks import Family, Problem, Split, TaskGenerator, check_answer
 
 
 @dataclass(frozen=True)
@@ -83,16 +83,20 @@ class Result:
         return self.finished and self.checkable and check_answer(self.planned.problem, self.text)
 
 
-def poisson_plan(rate_rps: float, duration_s: float, *, slo_ms: float, max_tokens: int = 16, max_shots: int = 4,
-                 seed: int = 0) -> list[PlannedRequest]:
-    """Poisson arrivals at ``rate_rps`` for ``duration_s``, held-out task prompts with 0..max_shots examples."""
+def poisson_plan(rate_rps: float, duration_s: float, *, slo_ms: float | None, max_tokens: int = 16,
+                 max_shots: int = 4, seed: int = 0, family: Family | None = None,
+                 block_length: int | None = None) -> list[PlannedRequest]:
+    """Poisson arrivals at ``rate_rps`` for ``duration_s``, held-out task prompts with 0..max_shots examples
+    (of ``family`` only, or the short families' mix)."""
     if rate_rps <= 0 or duration_s <= 0:
         raise ValueError(f"rate ({rate_rps}) and duration ({duration_s}) must be positive")
     rng = np.random.default_rng(seed)
     times = np.cumsum(rng.exponential(1.0 / rate_rps, size=int(rate_rps * duration_s * 2) + 10))
     times = times[times < duration_s]
-    problems = TaskGenerator(seed=seed).problems(len(times), max_shots=max_shots, split=Split.HELD_OUT)
-    return [PlannedRequest(float(t), p, slo_ms, max_tokens) for t, p in zip(times, problems, strict=True)]
+    tasks = TaskGenerator(seed=seed, family_weights={family: 1.0} if family else None)
+    problems = tasks.problems(len(times), max_shots=max_shots, split=Split.HELD_OUT)
+    return [PlannedRequest(float(t), p, slo_ms, max_tokens, block_length=block_length)
+            for t, p in zip(times, problems, strict=True)]
 
 
 async def run_plan(base_url: str, plan: list[PlannedRequest], *, model: str = "dls-tiny", cache: str | None = "dual",
