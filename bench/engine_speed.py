@@ -2,6 +2,7 @@
 
     python -m bench.engine --device cuda --arch llada-8b --json runs/bench-engine-speed.json
     python -m bench.engine_speed --device cpu --arch llada-small        # the same module, directly
+    ... --profile profiles/llada-8b-h200-measured.json                    # also write a step-latency profile
 
 Three implementations decode the same random prompts (gen ``--gen-length``, blocks of
 ``--block-length``, every request the same prompt length, EOS ignored so every canvas is decoded):
@@ -29,21 +30,27 @@ Figures:
   the engine's own counters; ``kv_bytes_by_batch`` has every batch, and ``gathered_before``: what the
   engine's earlier gather of every request's context into a padded buffer copied for the same
   steps (computed: context positions times bytes per position).
+* ``--profile PATH``: the engine's step latencies (recompute, cache and no-cache steps, by batch, at
+  prompt plus generation tokens of context; ``services/worker/profiling.py``) written as a measured
+  latency profile (``profiles/README.md``), which the scheduler and the simulator can load.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from bench.common import emit_json
 from services.worker.engine import CacheMode, DLMEngine, StepKind
 from services.worker.model import DLMConfig, DLMForMaskedDiffusion
+from services.worker.profiling import measure as measure_step_latency
 
 
 @dataclass(frozen=True)
@@ -174,11 +181,15 @@ def measure(args: argparse.Namespace) -> dict:
         torch.set_num_threads(args.threads)
     model = random_model(arch, args.device, args.seed)
     prompt_length = args.prompt_length or arch.prompt_length
-    engines = {"engine": DLMEngine(model, stop_at_eos=False)}
+    def engine(attention: str = "auto") -> DLMEngine:
+        return DLMEngine(model, stop_at_eos=False, default_gen_length=args.gen_length,
+                         default_block_length=args.block_length, attention=attention)
+
+    engines = {"engine": engine()}
     if args.device.startswith("cuda"):
-        engines["engine_sdpa"] = DLMEngine(model, stop_at_eos=False, attention="sdpa")
+        engines["engine_sdpa"] = engine("sdpa")
     if args.compile:  # the engine again, its blocks' MLPs compiled (model.compile_mlp, on only for this run)
-        engines["engine_compiled"] = DLMEngine(model, stop_at_eos=False)
+        engines["engine_compiled"] = engine()
     log(f"{args.arch}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, {arch.dtype}, "
         f"{args.device}, prompt {prompt_length}, gen {args.gen_length}, block {args.block_length}; "
         + ", ".join(f"{name}: {e.attention.value}" for name, e in engines.items()))
@@ -207,6 +218,8 @@ def measure(args: argparse.Namespace) -> dict:
         log(f"batch {batch} no_cache_loop: {tokens_per_s['no_cache_loop'][str(batch)]} tok/s")
     kv_batch = "8" if "8" in kv_by_batch else max(kv_by_batch, key=int, default=None)
     kv = kv_by_batch.get(kv_batch, {})
+    if args.profile:
+        write_profile(engines["engine"], args, prompt_length)
     return {
         "arch": args.arch,
         "device": args.device,
@@ -232,6 +245,34 @@ def measure(args: argparse.Namespace) -> dict:
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
     }
+
+
+def write_profile(engine: DLMEngine, args: argparse.Namespace, prompt_length: int) -> None:
+    """Step latencies of ``engine`` by batch, as a measured latency profile at ``args.profile``."""
+    context = prompt_length + args.gen_length
+    by_kind: dict[str, dict[str, float]] = {"recompute_ms": {}, "cache_ms": {}, "full_ms": {}}  # kind -> batch -> ms
+    for batch in args.profile_batches:
+        for kind, ms in measure_step_latency(engine, batch, context, args.profile_repeats, args.seed).items():
+            by_kind[kind][str(batch)] = ms
+        log(f"profile batch {batch}: " + ", ".join(f"{k} {v[str(batch)]}" for k, v in by_kind.items()))
+    profile = {
+        "model": args.arch,
+        "device": _device_name(args.device),
+        "measured": True,
+        "dtype": str(engine.model.dtype).removeprefix("torch."),
+        "context_tokens": context,
+        "block_length": args.block_length,
+        "gen_length": args.gen_length,
+        "cache_mode": "dual",
+        "attention": engine.attention.value,
+        "kv_bytes_per_token": engine.kv_cache.bytes_per_token,
+        "tp": {"1": by_kind},
+        "notes": (f"measured by `python -m bench.engine --arch {args.arch} --device {args.device} --profile ...` "
+                  f"(random weights, torch {torch.__version__}), median of {args.profile_repeats} repeats"),
+    }
+    Path(args.profile).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.profile).write_text(json.dumps(profile, indent=2) + "\n")
+    log(f"profile written to {args.profile}")
 
 
 def _warm_up(args: argparse.Namespace) -> argparse.Namespace:
@@ -270,6 +311,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--compile", action="store_true", help="also measure engine_compiled (torch.compile'd MLPs)")
+    p.add_argument("--profile", help="also write the engine's step latencies as a measured profile to this path")
+    p.add_argument("--profile-batches", type=lambda s: [int(b) for b in s.split(",")], default=[1, 2, 4, 8, 16, 32])
+    p.add_argument("--profile-repeats", type=int, default=3)
     return p
 
 
