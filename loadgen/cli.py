@@ -2,6 +2,7 @@
 
     dls loadgen --url http://127.0.0.1:8000 --rate 2 --num-requests 100 --json runs/load.json --plot runs/load.png
     dls loadgen --trace tests/data/burstgpt_sample.csv --time-scale 10 --trace-model GPT-4 --json runs/trace.json
+    dls loadgen --trace tests/data/AzureLLMInferenceTrace_conv_first10min.csv --target-rate 3 --num-requests 300
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ def register(subparsers) -> None:
     p.add_argument("--model", default="dls-tiny", help="the served model's name")
     g = p.add_argument_group("arrivals")
     g.add_argument("--arrival", default=None, choices=("poisson", "gamma", "constant", "ramp"),
-                   help="arrival process (default poisson; --trace replays a BurstGPT file instead)")
+                   help="arrival process (default poisson; --trace replays a trace file instead)")
     g.add_argument("--rate", type=float, default=1.0, help="mean requests per second (poisson, gamma, constant)")
     g.add_argument("--num-requests", type=int, default=None,
                    help="requests to send (at most; default 100, or every row of a --trace)")
@@ -34,9 +35,17 @@ def register(subparsers) -> None:
                    help="gamma: shape of the gaps (vLLM's burstiness; 1 = Poisson, below 1 burstier)")
     g.add_argument("--ramp-start-rps", type=float, default=1.0)
     g.add_argument("--ramp-end-rps", type=float, default=10.0)
-    g.add_argument("--trace", default=None, help="BurstGPT CSV to replay (either column layout)")
-    g.add_argument("--time-scale", type=float, default=1.0, help="trace: seconds = (Timestamp - first) / this")
-    g.add_argument("--trace-model", action="append", default=[], help="trace: keep only this model (repeatable)")
+    g.add_argument("--trace", default=None,
+                   help="trace to replay: BurstGPT CSV (either column layout), Azure LLM inference CSV "
+                        "(TIMESTAMP,ContextTokens,GeneratedTokens) or Mooncake JSONL (timestamp in ms, input_length, "
+                        "output_length); the layout is read from the file")
+    g.add_argument("--time-scale", type=float, default=None,
+                   help="trace: seconds = (timestamp - first) / this (default 1: the trace's own pace)")
+    g.add_argument("--target-rate", type=float, default=None,
+                   help="trace: scale the timestamps so that the replayed requests' mean rate is this (req/s); "
+                        "the bursts keep their shape")
+    g.add_argument("--trace-model", action="append", default=[],
+                   help="trace: keep only this BurstGPT model (repeatable)")
     g.add_argument("--keep-failures", action="store_true", help="trace: replay failed rows (0 response tokens) too")
     g.add_argument("--save-trace", default=None, help="write the arrivals as a BurstGPT CSV (for dls sim --trace)")
     g = p.add_argument_group("requests")
@@ -75,11 +84,15 @@ def spec_from_args(args):
         raise CliError(str(exc)) from None
     if args.trace and args.arrival:
         raise CliError("--arrival and --trace: give one (a trace brings its own arrival times)")
+    if not args.trace and (args.time_scale is not None or args.target_rate is not None):
+        raise CliError(f"{'--time-scale' if args.time_scale is not None else '--target-rate'}: sets a --trace's pace; "
+                       "give --trace (or --rate for generated arrivals)")
     return LoadSpec(
-        arrival="burstgpt" if args.trace else (args.arrival or "poisson"), rate_rps=args.rate,
+        arrival="trace" if args.trace else (args.arrival or "poisson"), rate_rps=args.rate,
         num_requests=args.num_requests or (10**9 if args.trace else 100), duration_s=args.duration, burstiness=args.burstiness,
         ramp_start_rps=args.ramp_start_rps, ramp_end_rps=args.ramp_end_rps, trace_path=args.trace,
-        time_scale=args.time_scale, trace_models=tuple(args.trace_model), keep_failures=args.keep_failures,
+        time_scale=args.time_scale, target_rate_rps=args.target_rate, trace_models=tuple(args.trace_model),
+        keep_failures=args.keep_failures,
         lengths=lengths, sharegpt_path=args.sharegpt, num_shots=args.num_shots, gen_len=args.gen_len,
         block_len=args.block_len, family=args.family, slo_ms=args.slo_ms, seed=args.seed,
         **({"slo_classes": classes} if classes else {}),
@@ -89,13 +102,17 @@ def spec_from_args(args):
 def cmd_loadgen(args) -> int:
     import dataclasses
 
-    from loadgen.workload import WorkloadError, build_plan, write_burstgpt
+    from loadgen.workload import WorkloadError, plan_load, write_burstgpt
 
     spec = spec_from_args(args)
     try:
-        plan = build_plan(spec)
+        load = plan_load(spec)
     except WorkloadError as exc:
         raise CliError(str(exc)) from None
+    plan = load.requests
+    if load.scale is not None:
+        print(f"trace {spec.trace_path}: {len(plan)} requests, native {load.trace_native_rps:.4g} req/s x scale "
+              f"{load.scale:.4g} = {load.rate_rps:.4g} req/s replayed", file=sys.stderr)
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise CliError("--max-concurrency: must be at least 1")
     if args.save_trace:
@@ -108,6 +125,8 @@ def cmd_loadgen(args) -> int:
     config["spec"] = {k: list(v) if isinstance(v, tuple) and k == "trace_models" else v
                       for k, v in dataclasses.asdict(spec).items() if k != "slo_classes"}
     config["spec"]["slo_classes"] = [dataclasses.asdict(c) for c in spec.slo_classes]
+    # a trace: the mean rate replayed, the trace's own over the same requests, and the factor between them
+    config.update(replayed_rps=load.rate_rps, trace_native_rps=load.trace_native_rps, scale=load.scale)
     report = run(args, plan, config)
     from loadgen.report import headline
 

@@ -2,12 +2,13 @@
 
 The simulator's workload code (``sim.workload``) makes the requests, so a load run and ``dls sim``
 with the same settings and seed get the same arrivals and the same task problems: Poisson, Gamma
-(vLLM's ``burstiness`` = 1/cv^2) and BurstGPT CSV replay (both column layouts, model and failure
-filters, timestamps divided by ``time_scale``) come from there, and so do the lengths ``fixed``
-(few-shot count, generation length) and ``sharegpt-like`` (synthetic log-normal lengths with
-ShareGPT's means). Added here: ``constant`` (evenly spaced) and ``ramp`` (a Poisson process whose
-rate moves linearly from ``ramp_start_rps`` to ``ramp_end_rps``) arrivals, and ``sharegpt``: prompts
-from a ShareGPT JSON file (free text, so no answer check).
+(vLLM's ``burstiness`` = 1/cv^2) and trace replay (BurstGPT and Azure CSV, Mooncake JSONL, read by
+``shared.request_traces``; model and failure filters; timestamps at their own pace, divided by
+``time_scale``, or scaled so that the mean rate is ``target_rate_rps``) come from there, and so do
+the lengths ``fixed`` (few-shot count, generation length) and ``sharegpt-like`` (synthetic log-normal
+lengths with ShareGPT's means, or a trace's own). Added here: ``constant`` (evenly spaced) and
+``ramp`` (a Poisson process whose rate moves linearly from ``ramp_start_rps`` to ``ramp_end_rps``)
+arrivals, and ``sharegpt``: prompts from a ShareGPT JSON file (free text, so no answer check).
 """
 
 from __future__ import annotations
@@ -21,9 +22,10 @@ from pathlib import Path
 import numpy as np
 
 from loadgen.driver import PlannedRequest
-from sim.workload import SloClass, TraceError, WorkloadConfig, generate
+from shared.request_traces import TraceError
+from sim.workload import SloClass, WorkloadConfig, generate
 
-ARRIVALS = ("poisson", "gamma", "constant", "ramp", "burstgpt")
+ARRIVALS = ("poisson", "gamma", "constant", "ramp", "trace")
 LENGTHS = ("fixed", "sharegpt-like", "sharegpt")
 CHARS_PER_TOKEN = 4.0  # ShareGPT output lengths, estimated without the served model's tokenizer
 
@@ -41,10 +43,11 @@ class LoadSpec:
     burstiness: float = 1.0  # gamma: shape of the inter-arrival gaps (1: Poisson; < 1 burstier)
     ramp_start_rps: float = 1.0
     ramp_end_rps: float = 10.0
-    trace_path: str | None = None  # BurstGPT CSV (arrival "burstgpt")
-    time_scale: float = 1.0  # BurstGPT: seconds = (Timestamp - first) / time_scale
-    trace_models: tuple[str, ...] = ()  # BurstGPT: keep only these models (empty: all)
-    keep_failures: bool = False  # BurstGPT: replay failed rows (Response tokens 0) too
+    trace_path: str | None = None  # a trace file (arrival "trace"): BurstGPT, Azure or Mooncake layout
+    time_scale: float | None = None  # trace: seconds = (timestamp - first) / time_scale (None: 1)
+    target_rate_rps: float | None = None  # trace: scale the timestamps to this mean rate instead
+    trace_models: tuple[str, ...] = ()  # trace: keep only these BurstGPT models (empty: all)
+    keep_failures: bool = False  # trace: replay failed rows (0 output tokens) too
     lengths: str = "fixed"  # one of LENGTHS
     sharegpt_path: str | None = None  # ShareGPT JSON (lengths "sharegpt")
     num_shots: int = 5  # fixed: few-shot examples per task prompt
@@ -74,23 +77,40 @@ def parse_slo_class(text: str) -> SloClass:
     return SloClass(parts[0], factor, priority, weight, floor)
 
 
+@dataclass(frozen=True)
+class LoadPlan:
+    requests: list[PlannedRequest]  # by arrival time
+    rate_rps: float | None = None  # a trace: the mean rate replayed (native x scale)
+    trace_native_rps: float | None = None  # a trace: its replayed rows' mean rate at their own timestamps
+    scale: float | None = None  # a trace: seconds = trace seconds / scale
+
+
 def build_plan(spec: LoadSpec) -> list[PlannedRequest]:
     """The requests of one run, by arrival time. Same spec: the same plan."""
+    return plan_load(spec).requests
+
+
+def plan_load(spec: LoadSpec) -> LoadPlan:
+    """The requests of one run and, for a trace, the rate it is replayed at and the scale used."""
     _check(spec)
-    sim_arrival = spec.arrival if spec.arrival in ("poisson", "gamma", "burstgpt") else "poisson"
+    sim_arrival = spec.arrival if spec.arrival in ("poisson", "gamma", "trace") else "poisson"
+    scaled = spec.arrival == "trace" and spec.target_rate_rps is not None
     config = WorkloadConfig(
         arrival=sim_arrival, num_requests=spec.num_requests,
         duration_s=spec.duration_s if spec.arrival in ("poisson", "gamma") else None,
-        cv=1.0 / math.sqrt(spec.burstiness), trace_path=spec.trace_path, time_scale=spec.time_scale,
+        cv=1.0 / math.sqrt(spec.burstiness), trace_path=spec.trace_path,
+        time_scale=None if scaled else (spec.time_scale or 1.0),
         trace_models=spec.trace_models, trace_keep_failures=spec.keep_failures,
         lengths="fixed" if spec.lengths == "sharegpt" else spec.lengths, num_shots=spec.num_shots,
         gen_len=spec.gen_len, block_len=spec.block_len, slo_classes=spec.slo_classes, family=spec.family,
         seed=spec.seed,
     )
+    rate = spec.target_rate_rps if scaled else spec.rate_rps
     try:
-        requests = generate(config, spec.rate_rps, (spec.slo_ms or 1000.0) / 1000.0).requests
+        workload = generate(config, rate, (spec.slo_ms or 1000.0) / 1000.0)
     except TraceError as exc:
         raise WorkloadError(f"--trace: {exc}") from None
+    requests = workload.requests
     if spec.arrival in ("constant", "ramp"):
         times = _constant(spec) if spec.arrival == "constant" else _ramp(spec)
         requests = [dataclasses.replace(r, arrival_s=float(t)) for r, t in zip(requests, times, strict=False)]
@@ -107,7 +127,9 @@ def build_plan(spec: LoadSpec) -> list[PlannedRequest]:
             planned = dataclasses.replace(planned, problem=None, text=prompt, max_tokens=max_tokens,
                                           block_length=min(spec.block_len, max_tokens))
         plan.append(planned)
-    return plan
+    if workload.scale is None:
+        return LoadPlan(plan)
+    return LoadPlan(plan, workload.rate_rps, workload.trace_native_rps, workload.scale)
 
 
 def _check(spec: LoadSpec) -> None:
@@ -123,10 +145,17 @@ def _check(spec: LoadSpec) -> None:
         raise WorkloadError("--burstiness: must be positive")
     if spec.arrival == "ramp" and not (spec.ramp_start_rps > 0 and spec.ramp_end_rps > 0):
         raise WorkloadError("--ramp-start-rps and --ramp-end-rps: must be positive")
-    if spec.arrival == "burstgpt" and not spec.trace_path:
-        raise WorkloadError("--trace: a BurstGPT CSV is needed for arrival 'burstgpt'")
-    if not spec.time_scale > 0:
+    if spec.arrival == "trace" and not spec.trace_path:
+        raise WorkloadError("--trace: a trace file is needed for arrival 'trace'")
+    if spec.time_scale is not None and not spec.time_scale > 0:
         raise WorkloadError("--time-scale: must be positive")
+    if spec.target_rate_rps is not None:
+        if spec.arrival != "trace":
+            raise WorkloadError("--target-rate: scales a --trace; use --rate for generated arrivals")
+        if spec.time_scale is not None:
+            raise WorkloadError("--target-rate and --time-scale: give one (each sets the trace's pace)")
+        if not spec.target_rate_rps > 0:
+            raise WorkloadError("--target-rate: must be positive")
     if spec.lengths == "sharegpt" and not spec.sharegpt_path:
         raise WorkloadError("--sharegpt: a ShareGPT JSON file is needed for lengths 'sharegpt'")
     if spec.slo_ms is None and any(c.slo_factor != 1.0 for c in spec.slo_classes):
@@ -205,7 +234,7 @@ def _sharegpt(spec: LoadSpec, n: int) -> list[tuple[str, int]]:
 
 
 def write_burstgpt(plan: list[PlannedRequest], path: str | Path, model: str = "dls-tiny") -> None:
-    """The plan's arrivals as a BurstGPT CSV (``dls sim --trace`` replays them)."""
+    """The plan's arrivals as a BurstGPT CSV (``dls sim --trace F --time-scale 1`` replays them as sent)."""
     lines = ["Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type"]
     for p in plan:
         prompt = len(p.prompt)

@@ -40,8 +40,12 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--engine", choices=("replay", "model"), default=None)
     parser.add_argument("--model", default="models/dls-tiny", help="bundled model directory")
     parser.add_argument("--profile", default="profiles/llada-8b-h100.json")
-    parser.add_argument("--trace", default=None, help="BurstGPT CSV (arrival 'burstgpt')")
-    parser.add_argument("--time-scale", type=float, default=None, help="BurstGPT timestamps / this")
+    parser.add_argument("--trace", default=None,
+                        help="replay this trace (BurstGPT or Azure CSV, Mooncake JSONL), its timestamps scaled so "
+                             "that its mean rate is each point's rate")
+    parser.add_argument("--time-scale", type=float, default=None,
+                        help="with --trace: divide its timestamps by this instead; replaces the points' rates "
+                             "(one point, labelled time-scale F)")
     parser.add_argument("--quality-budget", default=None, metavar="PP",
                         help="DiLaServe's candidates: the preset's thresholds within PP accuracy points of the "
                              "highest's on this model (default: the preset's, 1.0); 'none': all of them")
@@ -64,14 +68,9 @@ def _setup(args):
     if args.quick:
         preset = preset.quick()
     if args.trace is not None:
-        if not Path(args.trace).exists():
-            raise CliError(f"--trace: file not found: {args.trace}")
-        changes = {"arrival": "burstgpt", "trace_path": args.trace, "duration_s": None}
-        if args.time_scale is not None:
-            if args.time_scale <= 0:
-                raise CliError("--time-scale: must be positive")
-            changes["time_scale"] = args.time_scale
-        preset = dataclasses.replace(preset, workload=dataclasses.replace(preset.workload, **changes))
+        preset = _with_trace(preset, args.trace, args.time_scale)
+    elif args.time_scale is not None:
+        raise CliError("--time-scale: scales a --trace; give one")
     if args.quality_budget is not None:
         preset = dataclasses.replace(preset, quality_budget_pp=_budget(args.quality_budget))
     if args.prediction not in PREDICTION_SOURCES:
@@ -81,6 +80,28 @@ def _setup(args):
     if not Path(args.model).is_dir():
         raise CliError(f"--model: not a directory: {args.model}")
     return experiments.setup(preset, args.model, args.profile, prediction=args.prediction)
+
+
+def _with_trace(preset, path: str, time_scale: float | None):
+    """The preset replaying ``path``: the whole trace at every point, scaled to the point's rate; with
+    ``time_scale``, one point at that scale (the points' rates are not run, so they are not shown)."""
+    from shared.request_traces import TraceError, read_trace
+    from sim.presets import Point
+
+    try:
+        trace = read_trace(path)
+    except TraceError as exc:
+        raise CliError(f"--trace: {exc}") from None
+    changes = {"arrival": "trace", "trace_path": path, "duration_s": None, "time_scale": time_scale}
+    workload = dataclasses.replace(preset.workload, **changes)
+    points = preset.points
+    if time_scale is not None:
+        if not (time_scale > 0 and math.isfinite(time_scale)):
+            raise CliError(f"--time-scale: must be positive, got {time_scale}")
+        points = (Point(points[-1].rate_mult, f"time-scale {time_scale:g}"),)
+    print(f"trace {path} ({trace.layout}): {len(trace.rows)} requests over {trace.rows[-1].arrival_s:.1f} s",
+          file=sys.stderr)
+    return dataclasses.replace(preset, workload=workload, points=points)
 
 
 def _budget(text: str) -> float | None:
@@ -106,8 +127,10 @@ def _check_policies(labels: list[str]) -> None:
 
 
 def _progress(label: str, point: dict) -> None:
+    trace = (f"  (trace native {point['trace_native_rps']:.3f} req/s x scale {point['scale']:.4g})"
+             if point.get("scale") is not None else "")
     print(
-        f"  {label:<24} {point['label']:>8}  rps {point['rps']:8.2f}  SLO {100 * point['slo_attainment']:6.1f}%  "
+        f"  {label:<24} {point['label']:>8}  rps {point['rps']:8.2f}{trace}  SLO {100 * point['slo_attainment']:6.1f}%  "
         f"acc {100 * point['accuracy']:5.1f}%  mean {point['mean_latency_s']:.3f}s  p99 {point['p99_latency_s']:.3f}s  "
         f"tau {point['mean_threshold']:.3f}  ({point['wall_s']:.1f}s)",
         file=sys.stderr,
@@ -169,6 +192,8 @@ def cmd_capacity(args) -> int:
     _check_policies([args.policy])
     if not 0 < args.target <= 1:
         raise CliError("--target: must be in (0, 1]")
+    if args.time_scale is not None:
+        raise CliError("--time-scale: fixes the replayed rate, and capacity searches over rates; leave it out")
     s = _setup(args)
     result = experiments.capacity(s, args.policy, args.target, args.seed)
     _write(args.json, result)
@@ -178,12 +203,18 @@ def cmd_capacity(args) -> int:
 
 
 def print_table(result: dict) -> None:
-    print(f"preset {result['preset']}: SLO {result['setup']['slo_s']:.3f}s, "
-          f"nominal capacity {result['setup']['nominal_capacity_rps']:.1f} req/s")
-    print(f"{'policy':<24} {'point':>8} {'rps':>9} {'SLO %':>7} {'acc %':>7} {'mean s':>8} {'p99 s':>8} {'tau':>6}")
+    setup = result["setup"]
+    trace = setup.get("trace")
+    print(f"preset {result['preset']}: SLO {setup['slo_s']:.3f}s, nominal capacity {setup['nominal_capacity_rps']:.1f} req/s")
+    if trace:
+        print(f"trace {trace['path']} ({trace['layout']}, {trace['num_requests']} requests): rps = the replayed "
+              f"mean rate = native x scale")
+    extra = f" {'native':>8} {'scale':>8}" if trace else ""
+    print(f"{'policy':<24} {'point':>12} {'rps':>9}{extra} {'SLO %':>7} {'acc %':>7} {'mean s':>8} {'p99 s':>8} {'tau':>6}")
     for label, entry in result["policies"].items():
         for p in entry["points"]:
-            print(f"{label:<24} {p['label']:>8} {p['rps']:9.2f} {100 * p['slo_attainment']:7.1f} "
+            extra = f" {p['trace_native_rps']:8.3f} {p['scale']:8.4g}" if trace else ""
+            print(f"{label:<24} {p['label']:>12} {p['rps']:9.2f}{extra} {100 * p['slo_attainment']:7.1f} "
                   f"{100 * p['accuracy']:7.1f} {p['mean_latency_s']:8.3f} {p['p99_latency_s']:8.3f} "
                   f"{p['mean_threshold']:6.3f}")
     fid = result.get("fidelity")

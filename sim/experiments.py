@@ -23,6 +23,7 @@ from services.scheduler.core import CacheMode, ClusterView, SchedulingLoop, make
 from services.scheduler.core.policies import POLICIES
 from services.scheduler.core.threshold import within_quality_budget
 from shared.profiles import LatencyProfile
+from shared.request_traces import read_trace
 from shared.tasks import SHORT_FAMILIES, Family, Split, TaskGenerator
 from sim.cluster import SimCluster, initial_placement
 from sim.engines import DEFAULT_MODEL_DIR, ENGINES, ReplayTrace, calibrate
@@ -90,7 +91,18 @@ class Setup:
             "replay_accuracy": self.trace.accuracy,
             "prediction_source": self.prediction,
             "prediction_source_used": type(self.predictor()).__name__,
+            "trace": self.trace_description(),
         }
+
+    def trace_description(self) -> dict | None:
+        """The replayed trace file (None for a built-in arrival process)."""
+        workload = self.preset.workload
+        if workload.arrival != "trace":
+            return None
+        trace = read_trace(workload.trace_path, layout=workload.trace_layout, models=workload.trace_models,
+                           keep_failures=workload.trace_keep_failures)
+        return {"path": workload.trace_path, "layout": trace.layout, "num_requests": len(trace.rows),
+                "time_scale": workload.time_scale}
 
 
 def setup(
@@ -166,8 +178,7 @@ def run_point(setup_: Setup, label: str, point_index: int, engine_name: str | No
     seed = preset.seed if seed is None else seed
     point = preset.points[point_index]
     workload_config = dataclasses.replace(preset.workload, seed=seed, **point.workload)
-    rate = point.rate_mult * setup_.capacity_rps
-    workload = generate(workload_config, rate, setup_.base_latency_s)
+    workload = generate(workload_config, point.rate_mult * setup_.capacity_rps, setup_.base_latency_s)
     name, config = policy_config(setup_, label)
     view = ClusterView()
     cluster = SimCluster(preset.cluster, setup_.profile, view)
@@ -187,8 +198,15 @@ def run_point(setup_: Setup, label: str, point_index: int, engine_name: str | No
     )
     result = sim.run()
     summary = summarize(result.records)
+    # the rate replayed: a trace's window scaled to the point's rate, or by an explicit time scale,
+    # which replaces the point's rate (rate_mult is then what that scale gives)
+    explicit_scale = workload_config.arrival == "trace" and workload_config.time_scale is not None
     summary.update(
-        rps=round(rate, 4), rate_mult=point.rate_mult, label=point.label or f"{point.rate_mult}x",
+        rps=round(workload.rate_rps, 4),
+        rate_mult=round(workload.rate_rps / setup_.capacity_rps, 4) if explicit_scale else point.rate_mult,
+        label=point.label or f"{point.rate_mult}x",
+        trace_native_rps=None if workload.trace_native_rps is None else round(workload.trace_native_rps, 4),
+        scale=None if workload.scale is None else round(workload.scale, 4),
         duration_s=round(workload.duration_s, 3), wall_s=round(result.wall_s, 3), num_events=result.num_events,
     )
     summary["reconfiguration"] = reconfigures

@@ -16,17 +16,22 @@ def _num(value, digits: int = 3) -> str:
 
 def table(result: dict) -> str:
     setup = result["setup"]
+    trace = setup.get("trace")
+    source = (f", trace `{trace['path']}` ({trace['layout']}, {trace['num_requests']} requests; req/s = the replayed "
+              "mean rate = trace native req/s x scale)" if trace else "")
     lines = [
         f"**{result['preset']}** (SLO {setup['slo_s']:.2f} s, nominal capacity {setup['nominal_capacity_rps']:.2f} req/s, "
-        f"cache {setup.get('cache_mode', '?')}, predictions: {setup.get('prediction_source_used', '?')})",
+        f"cache {setup.get('cache_mode', '?')}, predictions: {setup.get('prediction_source_used', '?')}{source})",
         "",
-        "| policy | point | req/s | SLO attainment % | accuracy % | mean latency s | p99 latency s | mean threshold |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "| policy | point | req/s |" + (" trace native req/s | scale |" if trace else "")
+        + " SLO attainment % | accuracy % | mean latency s | p99 latency s | mean threshold |",
+        "|---|---|---:|" + ("---:|---:|" if trace else "") + "---:|---:|---:|---:|---:|",
     ]
     for label, entry in result["policies"].items():
         for p in entry["points"]:
+            scaled = f" {_num(p.get('trace_native_rps'))} | {_num(p.get('scale'))} |" if trace else ""
             lines.append(
-                f"| {label} | {p['label']} | {p['rps']:.2f} | {_pct(p['slo_attainment'])} | {_pct(p['accuracy'])} | "
+                f"| {label} | {p['label']} | {p['rps']:.2f} |{scaled} {_pct(p['slo_attainment'])} | {_pct(p['accuracy'])} | "
                 f"{_num(p['mean_latency_s'])} | {_num(p['p99_latency_s'])} | {_num(p['mean_threshold'])} |"
             )
     fidelity = result.get("fidelity")

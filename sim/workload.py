@@ -1,9 +1,10 @@
 """Workloads: arrival processes, length distributions, SLO classes; the requests a run replays.
 
 Arrivals (registry ``ARRIVALS``): ``poisson``, ``gamma`` (coefficient of variation ``cv``; vLLM's
-``burstiness`` is ``1/cv^2``), ``burstgpt`` (a BurstGPT CSV: ``Timestamp`` divided by
-``time_scale``; both column layouts) and ``burstgpt-like`` (no file: a rate that moves between quiet
-periods and peaks, with Gamma(shape 0.5) gaps inside each minute, BurstGPT's burstiness).
+``burstiness`` is ``1/cv^2``), ``trace`` (a production trace, BurstGPT, Azure or Mooncake layout, read
+by ``shared.request_traces``: its timestamps scaled so that the replayed window's mean rate is the
+run's rate, or divided by an explicit ``time_scale``) and ``burstgpt-like`` (no file: a rate that moves
+between quiet periods and peaks, with Gamma(shape 0.5) gaps inside each minute, BurstGPT's burstiness).
 
 Lengths (registry ``LENGTHS``): ``fixed`` (``num_shots`` few-shot examples, the model's generation
 length) and ``sharegpt-like`` (prompt and output lengths log-normal with means 140 and 264, as in the
@@ -17,14 +18,13 @@ model-in-the-loop engine decodes it and the replay engine looks up its family an
 
 from __future__ import annotations
 
-import csv
 import math
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
+from shared.request_traces import TraceReplay, read_trace
 from shared.tasks import Family, Problem, Split, TaskGenerator
 from sim.registry import Registry
 
@@ -66,10 +66,13 @@ class WorkloadConfig:
     num_requests: int = 1000  # cap (the trace may end sooner)
     duration_s: float | None = None  # cap on the arrival window (None: num_requests decides)
     cv: float = 2.0  # gamma arrivals
-    trace_path: str | None = None  # burstgpt CSV
-    time_scale: float = 1.0  # burstgpt: virtual seconds = (timestamp - first) / time_scale
-    trace_models: tuple[str, ...] = ()  # burstgpt: keep only rows of these models (empty: all)
-    trace_keep_failures: bool = False  # burstgpt: keep failed rows (Response tokens 0) too
+    trace_path: str | None = None  # trace: the file (shared.request_traces.LAYOUTS)
+    trace_layout: str | None = None  # trace: None detects it from the file
+    # trace: None scales the timestamps to the run's rate (mean over the replayed window); a number
+    # replaces that rate: seconds = (timestamp - first) / time_scale
+    time_scale: float | None = None
+    trace_models: tuple[str, ...] = ()  # trace: keep only BurstGPT rows of these models (empty: all)
+    trace_keep_failures: bool = False  # trace: keep failed rows (0 output tokens) too
     peak_to_mean: float = 2.5  # burstgpt-like: peak rate / mean rate
     period_s: float = 600.0  # burstgpt-like: length of one quiet-peak-quiet cycle
     lengths: str = "fixed"  # LENGTHS name
@@ -121,9 +124,16 @@ def burstgpt_like_arrivals(config: WorkloadConfig, rate: float, rng: np.random.G
     return _cap(np.concatenate(times), config)
 
 
-def burstgpt_csv_arrivals(config: WorkloadConfig, rate: float, rng: np.random.Generator) -> np.ndarray:
-    rows = read_burstgpt(config.trace_path, models=config.trace_models, keep_failures=config.trace_keep_failures)
-    return _cap(np.array([r[0] for r in rows]) / config.time_scale, config)
+def trace_replay(config: WorkloadConfig, rate: float) -> TraceReplay:
+    """The trace's window at ``rate`` (or at ``config.time_scale`` when one is set), capped as the config says."""
+    trace = read_trace(config.trace_path, layout=config.trace_layout, models=config.trace_models,
+                       keep_failures=config.trace_keep_failures)
+    scaled = {"time_scale": config.time_scale} if config.time_scale is not None else {"rate_rps": rate}
+    return trace.replay(num_requests=config.num_requests, duration_s=config.duration_s, **scaled)
+
+
+def trace_arrivals(config: WorkloadConfig, rate: float, rng: np.random.Generator) -> np.ndarray:
+    return np.array(trace_replay(config, rate).times)
 
 
 def _count_for(config: WorkloadConfig, rate: float) -> int:
@@ -135,49 +145,7 @@ def _count_for(config: WorkloadConfig, rate: float) -> int:
 ARRIVALS.register("poisson", poisson_arrivals)
 ARRIVALS.register("gamma", gamma_arrivals)
 ARRIVALS.register("burstgpt-like", burstgpt_like_arrivals)
-ARRIVALS.register("burstgpt", burstgpt_csv_arrivals)
-
-
-class TraceError(ValueError):
-    """A BurstGPT file that cannot be read; the message names the file and the field."""
-
-
-def read_burstgpt(path: str | Path | None, *, models: Collection[str] = (),
-                  keep_failures: bool = False) -> list[tuple[float, int, int]]:
-    """(seconds from the first request, request tokens, response tokens), failures dropped.
-
-    Accepts ``Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type`` (BurstGPT_1/2)
-    and the layout with ``Session ID,Elapsed time`` after ``Timestamp`` (BurstGPT_3): columns are
-    found by name, so their order does not matter. ``models``: keep only rows whose ``Model`` is one
-    of these (empty: every model); ``keep_failures``: keep rows with 0 response tokens too.
-    """
-    if path is None:
-        raise TraceError("arrival 'burstgpt' needs a trace file (--trace)")
-    path = Path(path)
-    try:
-        with path.open(newline="") as handle:
-            reader = csv.DictReader(handle)
-            missing = {"Timestamp", "Request tokens", "Response tokens"} - set(reader.fieldnames or [])
-            if missing:
-                raise TraceError(f"{path}: missing column(s) {', '.join(sorted(missing))}")
-            rows = []
-            for line, row in enumerate(reader, start=2):
-                try:
-                    ts, req, resp = float(row["Timestamp"]), int(row["Request tokens"]), int(row["Response tokens"])
-                except (TypeError, ValueError):
-                    raise TraceError(f"{path}:{line}: bad Timestamp/Request tokens/Response tokens") from None
-                if models and row.get("Model") not in models:
-                    continue
-                if resp > 0 or keep_failures:  # response tokens 0 marks a failed request
-                    rows.append((ts, req, resp))
-    except FileNotFoundError:
-        raise TraceError(f"trace file not found: {path}") from None
-    if not rows:
-        kept = f" of model(s) {', '.join(models)}" if models else ""
-        raise TraceError(f"{path}: no {'' if keep_failures else 'successful '}requests{kept}")
-    rows.sort()
-    first = rows[0][0]
-    return [(ts - first, req, resp) for ts, req, resp in rows]
+ARRIVALS.register("trace", trace_arrivals)
 
 
 # --- lengths -----------------------------------------------------------------------------------
@@ -207,7 +175,7 @@ def fixed_lengths(config: WorkloadConfig, n: int, rng: np.random.Generator, trac
 
 
 def sharegpt_like_lengths(config: WorkloadConfig, n: int, rng: np.random.Generator, trace_rows) -> list[Shape]:
-    """Log-normal prompt/output lengths with ShareGPT's means (or a BurstGPT file's own lengths)."""
+    """Log-normal prompt/output lengths with ShareGPT's means (or a trace's own lengths)."""
     if trace_rows is not None:
         prompts = np.array([r[1] for r in trace_rows[:n]], dtype=float)
         outputs = np.array([r[2] for r in trace_rows[:n]], dtype=float)
@@ -239,8 +207,10 @@ LENGTHS.register("sharegpt-like", sharegpt_like_lengths)
 @dataclass
 class Workload:
     config: WorkloadConfig
-    rate_rps: float
+    rate_rps: float  # the mean rate asked of a generator, or the rate a trace is replayed at
     requests: list[RequestSpec] = field(default_factory=list)
+    trace_native_rps: float | None = None  # trace: the replayed window's rate at its own timestamps
+    scale: float | None = None  # trace: replay seconds = trace seconds / scale (rate_rps = native x scale)
 
     @property
     def duration_s(self) -> float:
@@ -250,13 +220,16 @@ class Workload:
 def generate(config: WorkloadConfig, rate_rps: float, base_latency_s: float) -> Workload:
     """The requests of one run: arrivals at ``rate_rps`` (mean), shapes, problems and SLOs.
 
+    A trace is replayed at ``rate_rps`` unless ``config.time_scale`` replaces it; the workload's
+    ``rate_rps`` is the rate replayed, and it records the trace's native rate and the scale used.
+
     ``base_latency_s`` is the isolated TP-1 latency at threshold 0.9; each SLO class scales it.
     Same config, rate and base latency: the same requests.
     """
     rng = np.random.default_rng([config.seed, int(round(rate_rps * 1000))])
-    times = ARRIVALS.get(config.arrival)(config, rate_rps, rng)
-    trace_rows = (read_burstgpt(config.trace_path, models=config.trace_models,
-                                keep_failures=config.trace_keep_failures) if config.arrival == "burstgpt" else None)
+    replay = trace_replay(config, rate_rps) if config.arrival == "trace" else None
+    times = np.array(replay.times) if replay else ARRIVALS.get(config.arrival)(config, rate_rps, rng)
+    trace_rows = list(replay.rows) if replay else None
     shapes = LENGTHS.get(config.lengths)(config, len(times), rng, trace_rows)
     classes = config.slo_classes
     weights = np.array([c.weight for c in classes], dtype=float)
@@ -281,4 +254,6 @@ def generate(config: WorkloadConfig, rate_rps: float, base_latency_s: float) -> 
                 nominal_output_tokens=shape.nominal_output_tokens,
             )
         )
+    if replay:
+        return Workload(config, replay.rate_rps, requests, replay.native_rps, replay.scale)
     return Workload(config, rate_rps, requests)

@@ -3,7 +3,9 @@
 The answer is padded with EOS to a canvas whose length is drawn per batch (from one block to
 ``max_gen_length``), as LLaDA's SFT pads its answers: the model learns to write the same answer,
 then EOS, whatever room the canvas leaves, which is what lets a server turn any ``max_tokens`` into a
-canvas without changing the answer.
+canvas without changing the answer. A share of the canvases (``truncate_share``) is shorter than some
+answers, which are then cut to the canvas with no EOS: a client's cap below the answer's length gets
+the answer's first tokens, not a different, shorter answer.
 
 Each row is masked one of two ways:
 
@@ -32,7 +34,6 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from services.worker.model import DLMConfig, DLMForMaskedDiffusion
-from services.worker.reference import reference_generate
 from shared.tasks import (
     CHAIN_MIN_ITEMS,
     Family,
@@ -70,6 +71,7 @@ class TrainConfig:
     semi_ar_share: float = 0.5  # share of rows masked semi-autoregressively (clean prefix, masked suffix)
     # short batches' canvas: at most 32 with this probability, else up to max_gen_length (uniform)
     short_canvas_share: float = 0.5
+    truncate_share: float = 0.1  # batches whose canvas may be shorter than answers (cut, no EOS)
     # few-shot count k is drawn with weight shot_weights[k]: mostly short prompts (cheap), all seen
     shot_weights: list[float] = field(default_factory=lambda: [8, 4, 2, 1, 1, 1, 1, 1, 1])
     d_model: int = 192
@@ -97,12 +99,17 @@ def target_ids(problem: Problem, tokenizer: CharTokenizer) -> list[int]:
     return ids + [tokenizer.eos_token_id]
 
 
-def encode_batch(problems: list[Problem], tokenizer: CharTokenizer, gen_length: int):
-    """Left-padded ids [B, L], attention mask, and the answer region mask (answer + EOS padding)."""
+def encode_batch(problems: list[Problem], tokenizer: CharTokenizer, gen_length: int, truncate: bool = False):
+    """Left-padded ids [B, L], attention mask, and the answer region mask (answer + EOS padding).
+
+    ``truncate``: an answer longer than the canvas is cut to it (no EOS); otherwise it is an error.
+    """
     rows = []
     for p in problems:
         answer = target_ids(p, tokenizer)
-        if len(answer) > gen_length:
+        if len(answer) > gen_length and truncate:
+            answer = answer[:gen_length]
+        elif len(answer) > gen_length:
             raise ValueError(f"answer {p.answer!r} does not fit generation length {gen_length}")
         rows.append((tokenizer.encode(p.prompt), answer + [tokenizer.eos_token_id] * (gen_length - len(answer))))
     width = max(len(prompt) for prompt, _ in rows) + gen_length
@@ -170,18 +177,22 @@ EVAL_SETTINGS: tuple[tuple[str, Family, int, int], ...] = (
 
 
 def evaluate(model, tokenizer, cfg: TrainConfig, threshold: float = 0.9, seed: int = 12345) -> dict:
-    """Validity / exact match and mean steps on held-out problems per setting, reference decoder."""
+    """Validity / exact match and mean steps on held-out problems per setting (the engine without a
+    cache, batched: the reference path's tokens, which tests hold it to)."""
+    from services.worker.engine import CacheMode, DLMEngine
+
     model.eval()
+    engine = DLMEngine(model, tokenizer)
     per_setting = {}
     count = max(1, cfg.eval_problems // len(EVAL_SETTINGS))
     for name, family, gen_length, block_length in EVAL_SETTINGS:
         tasks = TaskGenerator(seed=seed)
         problems = [tasks.problem(i % 6, Split.HELD_OUT, family) for i in range(count)]
-        correct, steps = 0, 0
-        for p in problems:
-            result = reference_generate(model, tokenizer.encode(p.prompt), gen_length, block_length, threshold)
-            correct += check_answer(p, tokenizer.decode(result.tokens))
-            steps += result.num_steps
+        states = [engine.new_request(f"e{i}", tokenizer.encode(p.prompt), gen_length, block_length, CacheMode.NONE)
+                  for i, p in enumerate(problems)]
+        engine.run_to_completion([(s, threshold) for s in states])
+        correct = sum(check_answer(p, tokenizer.decode(s.canvas)) for p, s in zip(problems, states, strict=True))
+        steps = sum(s.num_steps for s in states)
         per_setting[name] = {"accuracy": round(correct / count, 4), "mean_steps": round(steps / count, 2)}
     model.train()
     accuracy = sum(v["accuracy"] for v in per_setting.values()) / len(per_setting)
@@ -221,8 +232,11 @@ class Trainer:
         """Whether the next batch holds the long family (``chain_share`` of them)."""
         return self.rng.random() < self.cfg.chain_share
 
-    def _short_canvas(self, longest_answer: int) -> int:
-        """A canvas for short answers: at most 32 for ``short_canvas_share`` of them, else up to the max."""
+    def _short_canvas(self, longest_answer: int, truncating: bool) -> int:
+        """A canvas for short answers: at most 32 for ``short_canvas_share`` of them, else up to the max;
+        when ``truncating``, one shorter than the longest answer."""
+        if truncating:
+            return self.rng.randint(1, max(1, longest_answer - 1))
         top = self.cfg.max_gen_length
         if self.rng.random() < self.cfg.short_canvas_share:
             top = min(top, 32)
@@ -277,20 +291,22 @@ class Trainer:
 
     def _batch(self):
         num_shots = self.rng.choices(range(self.cfg.max_shots + 1), weights=self.cfg.shot_weights)[0]
+        truncating = self.rng.random() < self.cfg.truncate_share
         if self._long_batch():
-            # the canvas first, then chains that fit it: long answers at every canvas length they fit
-            gen_length = self.rng.randint(chain_answer_length(CHAIN_MIN_ITEMS) + 1, self.cfg.max_gen_length)
+            # the canvas first, then chains that fit it (any chain when truncating): long answers at
+            # every canvas length they fit
+            low = 8 if truncating else chain_answer_length(CHAIN_MIN_ITEMS) + 1
+            gen_length = self.rng.randint(low, self.cfg.max_gen_length)
             problems = []
             while len(problems) < self.cfg.batch_size:
                 problem = self.tasks.problem(num_shots, Split.TRAIN, Family.CHAIN)
-                if len(target_ids(problem, self.tokenizer)) <= gen_length:
+                if truncating or len(target_ids(problem, self.tokenizer)) <= gen_length:
                     problems.append(problem)
-            answer_lengths = [len(target_ids(p, self.tokenizer)) for p in problems]
         else:
             problems = [self.tasks.problem(num_shots, Split.TRAIN) for _ in range(self.cfg.batch_size)]
-            answer_lengths = [len(target_ids(p, self.tokenizer)) for p in problems]
-            gen_length = self._short_canvas(max(answer_lengths))
-        return (*encode_batch(problems, self.tokenizer, gen_length), answer_lengths)
+            gen_length = self._short_canvas(max(len(target_ids(p, self.tokenizer)) for p in problems), truncating)
+        answer_lengths = [min(len(target_ids(p, self.tokenizer)), gen_length) for p in problems]
+        return (*encode_batch(problems, self.tokenizer, gen_length, truncate=truncating), answer_lengths)
 
     def train_step(self) -> float:
         for group in self.optimizer.param_groups:

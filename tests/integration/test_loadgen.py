@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from shared.cli import main
-from sim.workload import read_burstgpt
+from shared.request_traces import read_trace
 from tests.integration.served import served_stack
 
 pytestmark = pytest.mark.integration
@@ -21,7 +21,7 @@ NAMED_METRICS = ("completed", "failed", "slo_attainment", "accuracy", "request_t
 
 
 def test_loadgen_replays_the_burstgpt_sample_and_reports(nats_server, redis_server, unique_prefix, tmp_path):
-    expected = [t / 10.0 for t, _, _ in read_burstgpt(SAMPLE)]  # failures dropped, timestamps / 10
+    expected = [r.arrival_s / 10.0 for r in read_trace(SAMPLE).rows]  # failures dropped, timestamps / 10
     with served_stack(nats_server.url, redis_server.url, unique_prefix, num_workers=2) as url:
         trace_json = tmp_path / "trace.json"
         assert main(["loadgen", "--url", url, "--trace", str(SAMPLE), "--time-scale", "10", "--cache", "dual",

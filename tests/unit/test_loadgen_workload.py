@@ -1,10 +1,12 @@
-"""``loadgen.workload``: arrival processes, BurstGPT replay with filters and scaling, SLO classes,
-ShareGPT prompts; and the report's metric names (no server)."""
+"""``loadgen.workload`` and ``dls loadgen --dry-run``: arrival processes, trace replay (BurstGPT,
+Azure, Mooncake) with filters, scaling and target rates, SLO classes, ShareGPT prompts; and the
+report's metric names (no server)."""
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -12,28 +14,87 @@ import pytest
 
 from loadgen.driver import Result
 from loadgen.report import build_report
-from loadgen.workload import LoadSpec, WorkloadError, build_plan, parse_slo_class, write_burstgpt
+from loadgen.workload import LoadSpec, WorkloadError, build_plan, parse_slo_class, plan_load, write_burstgpt
+from shared.cli import main
 from sim.workload import WorkloadConfig, generate
 
 SAMPLE = Path(__file__).resolve().parents[1] / "data" / "burstgpt_sample.csv"
+AZURE = Path(__file__).resolve().parents[1] / "data" / "AzureLLMInferenceTrace_conv_first10min.csv"
 
 
 def test_burstgpt_sample_replay_scaled_and_filtered():
-    plan = build_plan(LoadSpec(arrival="burstgpt", trace_path=str(SAMPLE), time_scale=4.0))
+    plan = build_plan(LoadSpec(arrival="trace", trace_path=str(SAMPLE), time_scale=4.0))
     assert [p.arrival_s for p in plan] == [0.0, 1.0, 2.25, 3.5, 4.0, 6.25, 7.0, 7.75]  # failed rows dropped
-    gpt4 = build_plan(LoadSpec(arrival="burstgpt", trace_path=str(SAMPLE), trace_models=("GPT-4",)))
+    gpt4 = build_plan(LoadSpec(arrival="trace", trace_path=str(SAMPLE), trace_models=("GPT-4",)))
     assert [p.arrival_s for p in gpt4] == [0.0, 10.0, 21.0]
-    everything = build_plan(LoadSpec(arrival="burstgpt", trace_path=str(SAMPLE), keep_failures=True))
+    everything = build_plan(LoadSpec(arrival="trace", trace_path=str(SAMPLE), keep_failures=True))
     assert len(everything) == 10
     with pytest.raises(WorkloadError, match="no successful requests of model"):
-        build_plan(LoadSpec(arrival="burstgpt", trace_path=str(SAMPLE), trace_models=("Claude",)))
+        build_plan(LoadSpec(arrival="trace", trace_path=str(SAMPLE), trace_models=("Claude",)))
 
 
 def test_burstgpt_session_layout(tmp_path):
     path = tmp_path / "b3.csv"
     path.write_text("Timestamp,Session ID,Elapsed time,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
                     "10,s1,0,ChatGPT,5,7,12,API log\n12,s1,2,ChatGPT,5,7,12,API log\n")
-    assert [p.arrival_s for p in build_plan(LoadSpec(arrival="burstgpt", trace_path=str(path), time_scale=2))] == [0, 1]
+    assert [p.arrival_s for p in build_plan(LoadSpec(arrival="trace", trace_path=str(path), time_scale=2))] == [0, 1]
+
+
+def test_target_rate_scales_the_trace_and_records_it():
+    load = plan_load(LoadSpec(arrival="trace", trace_path=str(SAMPLE), target_rate_rps=2.0))
+    times = [p.arrival_s for p in load.requests]
+    assert (len(times) - 1) / times[-1] == pytest.approx(2.0)  # 7 gaps in 31 trace seconds, now in 3.5 s
+    assert load.trace_native_rps == pytest.approx(7 / 31) and load.scale == pytest.approx(2.0 * 31 / 7)
+    assert times == pytest.approx([t / load.scale for t in (0, 4, 9, 14, 16, 25, 28, 31)])
+    native = plan_load(LoadSpec(arrival="trace", trace_path=str(SAMPLE)))
+    assert native.scale == 1.0 and native.rate_rps == pytest.approx(7 / 31)
+    assert plan_load(LoadSpec(rate_rps=2.0, num_requests=5)).scale is None
+    with pytest.raises(WorkloadError, match="--target-rate and --time-scale: give one"):
+        plan_load(LoadSpec(arrival="trace", trace_path=str(SAMPLE), target_rate_rps=2.0, time_scale=3.0))
+    with pytest.raises(WorkloadError, match="--target-rate: scales a --trace"):
+        plan_load(LoadSpec(target_rate_rps=2.0))
+
+
+def _dry_run(capsys, *argv: str, stderr: list | None = None) -> list[dict]:
+    assert main(["loadgen", "--dry-run", *argv]) == 0
+    captured = capsys.readouterr()
+    if stderr is not None:
+        stderr.append(captured.err)
+    return json.loads(captured.out)
+
+
+def test_cli_replays_each_trace_layout(tmp_path, capsys):
+    burstgpt = _dry_run(capsys, "--trace", str(SAMPLE), "--time-scale", "2")
+    assert [p["arrival_s"] for p in burstgpt] == [0, 2, 4.5, 7, 8, 12.5, 14, 15.5]
+    azure = _dry_run(capsys, "--trace", str(AZURE), "--num-requests", "300", "--target-rate", "3")
+    times = [p["arrival_s"] for p in azure]
+    assert len(times) == 300 and 299 / times[-1] == pytest.approx(3.0)
+    mooncake = tmp_path / "conv.jsonl"
+    mooncake.write_text("".join(json.dumps({"timestamp": ms, "input_length": 500, "output_length": 40,
+                                            "hash_ids": [0]}) + "\n" for ms in (0, 250, 1000)))
+    assert [p["arrival_s"] for p in _dry_run(capsys, "--trace", str(mooncake))] == [0.0, 0.25, 1.0]
+
+
+def test_cli_trace_line_names_rate_and_scale(capsys):
+    err = []
+    _dry_run(capsys, "--trace", str(SAMPLE), "--target-rate", "1", stderr=err)
+    assert "8 requests, native 0.2258 req/s x scale 4.429 = 1 req/s replayed" in err[0]
+
+
+@pytest.mark.parametrize("name,text,message", [
+    ("bad_azure.csv", "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.68,374,44\n"
+                      "2023-11-16 18:15:47.1,374,many\n", r"bad_azure\.csv:3: GeneratedTokens: not a whole number"),
+    ("bad_burstgpt.csv", "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+                         "5,ChatGPT,472,18,490,Conversation log\n9,GPT-4,1087\n", r"bad_burstgpt\.csv:3: expected 6 fields"),
+    ("bad_mooncake.jsonl", '{"timestamp": 0, "input_length": 5, "output_length": 7}\n{"timestamp": 9, "input_le\n',
+     r"bad_mooncake\.jsonl:2: not a JSON object"),
+])
+def test_cli_malformed_trace_rows_name_the_line(tmp_path, capsys, name, text, message):
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(SystemExit):
+        main(["loadgen", "--dry-run", "--trace", str(path)])
+    assert re.search("error: --trace: .*" + message, capsys.readouterr().err)
 
 
 def test_same_requests_as_the_simulator():
@@ -89,7 +150,7 @@ def test_sharegpt_prompts(tmp_path):
 def test_write_burstgpt_round_trip(tmp_path):
     plan = build_plan(LoadSpec(rate_rps=2.0, num_requests=6))
     write_burstgpt(plan, tmp_path / "arrivals.csv")
-    again = build_plan(LoadSpec(arrival="burstgpt", trace_path=str(tmp_path / "arrivals.csv")))
+    again = build_plan(LoadSpec(arrival="trace", trace_path=str(tmp_path / "arrivals.csv")))
     first = plan[0].arrival_s
     assert [p.arrival_s for p in again] == pytest.approx([p.arrival_s - first for p in plan], abs=1e-6)
 

@@ -1,3 +1,5 @@
+import json
+
 import pytest
 
 from shared.cli import build_parser
@@ -24,3 +26,66 @@ def test_bad_target_and_missing_trace():
         _run(["capacity", "--preset", "tiny", "--target", "1.5"])
     with pytest.raises(cli.CliError, match="--trace: file not found"):
         _run(["sim", "--preset", "tiny", "--trace", "/nonexistent.csv"])
+
+
+def _bursty_trace(path):
+    """40 requests: two bursts of 0.2 s gaps around a 10 s quiet spell (native rate 39 / 17.6 s)."""
+    gaps = [0.2] * 19 + [10.0] + [0.2] * 19
+    times = [0.0]
+    for gap in gaps:
+        times.append(times[-1] + gap)
+    path.write_text("Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+                    + "".join(f"{t:.3f},ChatGPT,140,264,404,API log\n" for t in times))
+    return times
+
+
+def test_compare_replays_a_trace_at_each_points_rate(tmp_path, monkeypatch):
+    from sim import experiments
+    from tests.unit.sim.sim_builders import make_trace
+
+    monkeypatch.setattr(experiments, "calibrate", lambda *args, **kwargs: make_trace())
+    times = _bursty_trace(tmp_path / "trace.csv")
+    out = tmp_path / "out.json"
+    _run(["compare", "--preset", "tiny", "--quick", "--trace", str(tmp_path / "trace.csv"), "--policies", "dilaserve",
+          "--prediction", "fallback", "--json", str(out)])
+    result = json.loads(out.read_text())
+    capacity = result["setup"]["nominal_capacity_rps"]
+    assert result["setup"]["trace"]["layout"] == "burstgpt" and result["setup"]["trace"]["num_requests"] == 40
+    points = result["policies"]["dilaserve"]["points"]
+    assert [p["rate_mult"] for p in points] == [1.0, 2.0]
+    native = 39 / times[-1]
+    for p in points:
+        assert p["rps"] == pytest.approx(p["rate_mult"] * capacity, rel=1e-3)  # the point's rate was replayed
+        assert p["trace_native_rps"] == pytest.approx(native, rel=1e-3)
+        assert p["scale"] == pytest.approx(p["rps"] / native, rel=1e-3)
+        assert 39 / p["duration_s"] == pytest.approx(p["rps"], rel=1e-3)  # last arrival: 39 gaps at that rate
+        assert p["num_requests"] == 40
+    assert points[1]["rps"] == pytest.approx(2 * points[0]["rps"], rel=1e-3)
+
+
+def test_time_scale_replaces_the_points_rate(tmp_path, monkeypatch):
+    from sim import experiments
+    from tests.unit.sim.sim_builders import make_trace
+
+    monkeypatch.setattr(experiments, "calibrate", lambda *args, **kwargs: make_trace())
+    times = _bursty_trace(tmp_path / "trace.csv")
+    out = tmp_path / "out.json"
+    _run(["compare", "--preset", "tiny", "--quick", "--trace", str(tmp_path / "trace.csv"), "--time-scale", "4",
+          "--policies", "dilaserve", "--prediction", "fallback", "--json", str(out)])
+    (point,) = json.loads(out.read_text())["policies"]["dilaserve"]["points"]
+    assert point["label"] == "time-scale 4" and point["scale"] == 4.0
+    assert point["rps"] == pytest.approx(4 * 39 / times[-1], rel=1e-3)
+    with pytest.raises(cli.CliError, match="--time-scale: scales a --trace"):
+        _run(["sim", "--preset", "tiny", "--time-scale", "4"])
+
+
+def test_generated_arrivals_record_no_trace(tmp_path, monkeypatch):
+    from sim import experiments
+    from tests.unit.sim.sim_builders import make_trace
+
+    monkeypatch.setattr(experiments, "calibrate", lambda *args, **kwargs: make_trace())
+    out = tmp_path / "out.json"
+    _run(["sim", "--preset", "tiny", "--quick", "--policy", "dilaserve", "--prediction", "fallback", "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert result["setup"]["trace"] is None
+    assert all(p["trace_native_rps"] is None and p["scale"] is None for p in result["policies"]["dilaserve"]["points"])

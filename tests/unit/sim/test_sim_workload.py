@@ -1,8 +1,9 @@
 import numpy as np
 import pytest
 
+from shared.request_traces import TraceError, read_trace
 from shared.tasks import Family
-from sim.workload import TraceError, WorkloadConfig, generate, read_burstgpt
+from sim.workload import WorkloadConfig, generate
 
 
 def test_poisson_rate_and_determinism():
@@ -57,18 +58,38 @@ def test_burstgpt_both_layouts_and_time_scale(tmp_path, header, row):
     path = tmp_path / "trace.csv"
     lines = [header] + [row.format(t=100 + 2 * i, p=10 + i, o=0 if i == 1 else 20) for i in range(5)]
     path.write_text("\n".join(lines) + "\n")
-    rows = read_burstgpt(path)
+    rows = read_trace(path).rows
     assert [r[0] for r in rows] == [0, 4, 6, 8]  # the failed request (0 response tokens) is dropped
-    config = WorkloadConfig(arrival="burstgpt", trace_path=str(path), time_scale=2.0, lengths="sharegpt-like")
-    requests = generate(config, 1.0, 0.1).requests
-    assert [r.arrival_s for r in requests] == [0, 2, 3, 4]
-    assert [r.nominal_prompt_tokens for r in requests] == [10, 12, 13, 14]
+    config = WorkloadConfig(arrival="trace", trace_path=str(path), time_scale=2.0, lengths="sharegpt-like")
+    workload = generate(config, 1.0, 0.1)
+    assert [r.arrival_s for r in workload.requests] == [0, 2, 3, 4]
+    assert [r.nominal_prompt_tokens for r in workload.requests] == [10, 12, 13, 14]
+    # the explicit scale replaces the rate asked for: 3 gaps in 8 trace seconds, twice as fast
+    assert workload.trace_native_rps == pytest.approx(3 / 8) and workload.scale == 2.0
+    assert workload.rate_rps == pytest.approx(3 / 4)
+
+
+def test_trace_replayed_at_the_rate_asked_keeps_its_bursts(tmp_path):
+    path = tmp_path / "bursty.csv"
+    gaps = [0.1] * 10 + [5.0] + [0.1] * 10  # a burst, a quiet spell, a burst
+    times = np.concatenate([[0.0], np.cumsum(gaps)])
+    path.write_text("Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+                    + "".join(f"{t:.3f},ChatGPT,100,200,300,API log\n" for t in times))
+    config = WorkloadConfig(arrival="trace", trace_path=str(path), lengths="sharegpt-like")
+    slow, fast = generate(config, 2.0, 0.1), generate(config, 8.0, 0.1)
+    for workload, rate in ((slow, 2.0), (fast, 8.0)):
+        arrivals = np.array([r.arrival_s for r in workload.requests])
+        assert len(arrivals) == 22 and (len(arrivals) - 1) / arrivals[-1] == pytest.approx(rate)
+        assert workload.rate_rps == pytest.approx(rate) and workload.trace_native_rps == pytest.approx(21 / 7.0)
+        assert workload.scale == pytest.approx(rate / 3.0)
+        replayed_gaps = np.diff(arrivals)
+        assert np.allclose(replayed_gaps / replayed_gaps[0], np.array(gaps) / gaps[0], rtol=1e-3)  # same shape
 
 
 def test_burstgpt_errors_name_the_problem(tmp_path):
     with pytest.raises(TraceError, match="not found"):
-        read_burstgpt(tmp_path / "missing.csv")
+        generate(WorkloadConfig(arrival="trace", trace_path=str(tmp_path / "missing.csv")), 1.0, 0.1)
     bad = tmp_path / "bad.csv"
-    bad.write_text("Time,Model\n1,x\n")
-    with pytest.raises(TraceError, match="Request tokens"):
-        read_burstgpt(bad)
+    bad.write_text("Timestamp,Model\n1,x\n")
+    with pytest.raises(TraceError, match="unknown trace layout"):
+        generate(WorkloadConfig(arrival="trace", trace_path=str(bad)), 1.0, 0.1)

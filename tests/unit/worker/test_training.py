@@ -1,11 +1,19 @@
 import json
 
+import pytest
 import torch
 
 from services.worker.loading import load_model
+from services.worker.training import (
+    SEMI_AR_BLOCK_LENGTHS,
+    TrainConfig,
+    Trainer,
+    diffusion_loss,
+    encode_batch,
+    target_ids,
+)
+from shared.tasks import Family, Split, TaskGenerator
 from shared.tokenizer import CharTokenizer
-from services.worker.training import TrainConfig, Trainer, diffusion_loss, encode_batch, target_ids
-from shared.tasks import Split, TaskGenerator
 
 
 def _tiny(tmp_path, steps: int, **overrides) -> TrainConfig:
@@ -55,3 +63,49 @@ def test_sums_are_right_aligned_with_fill_that_decodes_to_nothing():
         assert tokenizer.decode(ids) == problem.answer
         if problem.family.value == "add":
             assert len(ids) == 5 and ids[-1] == tokenizer.eos_token_id  # units digit always at index 3
+
+
+def test_answers_are_padded_to_the_canvas_or_cut_to_it():
+    tokenizer = CharTokenizer()
+    problem = TaskGenerator(seed=3).problem(0, Split.TRAIN, Family.CHAIN)
+    answer = target_ids(problem, tokenizer)
+    ids, _, region = encode_batch([problem], tokenizer, 128)
+    canvas = ids[0, region[0]].tolist()
+    assert canvas[: len(answer)] == answer and set(canvas[len(answer):]) <= {tokenizer.eos_token_id}
+    with pytest.raises(ValueError, match="does not fit"):
+        encode_batch([problem], tokenizer, 16)
+    ids, _, region = encode_batch([problem], tokenizer, 16, truncate=True)
+    assert ids[0, region[0]].tolist() == answer[:16]  # the answer's first tokens, no EOS
+
+
+def test_batches_draw_canvases_and_hold_the_long_family(tmp_path):
+    trainer = Trainer(_tiny(tmp_path, steps=1, chain_share=0.5, truncate_share=0.2))
+    widths, long_batches = set(), 0
+    for _ in range(40):
+        _, _, region, answer_lengths = trainer._batch()
+        gen_length = int(region[0].sum())
+        widths.add(gen_length)
+        long_batches += max(answer_lengths) > 16
+        assert 1 <= gen_length <= trainer.cfg.max_gen_length and max(answer_lengths) <= gen_length
+    assert len(widths) > 10 and long_batches > 5
+
+
+def test_semi_autoregressive_rows_have_a_clean_prefix_and_a_masked_suffix():
+    tokenizer = CharTokenizer()
+    problems = TaskGenerator(seed=0).problems(8, max_shots=0, split=Split.TRAIN)
+    ids, attention, region = encode_batch(problems, tokenizer, 64)
+    model = Trainer(TrainConfig(d_model=32, n_layers=1, n_heads=4, mlp_hidden_size=64)).model
+    seen = []
+    model.forward = lambda noisy, attention_mask: seen.append(noisy) or type("Out", (), {"logits": torch.zeros(
+        (*noisy.shape, tokenizer.vocab_size), requires_grad=True)})()
+    diffusion_loss(model, ids, attention, region, tokenizer.mask_token_id, torch.Generator().manual_seed(1),
+                   semi_ar_share=1.0, answer_lengths=[16] * 8)
+    masked = (seen[0] == tokenizer.mask_token_id)[region].view(8, 64)
+
+    def block_wise(row: list[bool]) -> bool:
+        """Some block [b*L, (b+1)*L): nothing masked before it, everything after it."""
+        return any(not any(row[: b * size]) and all(row[(b + 1) * size:])
+                   for size in SEMI_AR_BLOCK_LENGTHS for b in range(64 // size))
+
+    assert all(block_wise(row) for row in masked.tolist())
+    assert not all(block_wise(row) for row in (torch.rand(8, 64) < 0.5).tolist())  # uniform masking is not
