@@ -170,6 +170,9 @@ class CachedAttention:
         elif backend is AttentionBackend.TORCH_VARLEN:
             self._cu_q = segments.cu_seqlens(device)
             self._cu_k, self._seqused_k = _slot_offsets(self.extents, cache.page_size, device)
+        else:
+            self._query_ranges = list(zip(segments.starts, segments.lengths, strict=True))
+            self._key_ranges = [(e.first_slot(cache.page_size), e.num_tokens) for e in self.extents]
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         self.write.apply(layer, k, v)
@@ -184,9 +187,7 @@ class CachedAttention:
         if self.backend is AttentionBackend.TORCH_VARLEN:
             return torch_varlen_attn()(q, keys, values, self._cu_q, self._cu_k, longest_q, longest_k,
                                        enable_gqa=keys.shape[1] != q.shape[1], seqused_k=self._seqused_k)
-        key_ranges = [(e.first_slot(self.cache.page_size), e.num_tokens) for e in self.extents]
-        query_ranges = list(zip(self.segments.starts, self.segments.lengths, strict=True))
-        return _sdpa_per_request(q, keys, values, query_ranges, key_ranges)
+        return _sdpa_per_request(q, keys, values, self._query_ranges, self._key_ranges)
 
 
 def _block_table(extents: Sequence[Extent], device: torch.device) -> torch.Tensor:
