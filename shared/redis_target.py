@@ -11,9 +11,10 @@ inherit the variable) reaches the same store the same way:
 
 Query options (either form): ``wait_replicas=N`` makes every state write wait until N replicas have it
 (Redis ``WAIT``) before it counts as done, so a failover cannot lose a write that a service already
-acted on (an intake acknowledged, a step's results published); ``wait_timeout_ms`` bounds that wait
-(a write that times out is still applied on the primary, and is logged). Defaults: 1 and 1000 ms with
-Sentinels, 0 (no wait) for one server. Other query options go to redis-py as usual.
+acted on (an intake acknowledged, a step's results published). A write that no replica confirms within
+``wait_timeout_ms`` fails with ``ReplicationError`` (a connection error: callers retry it, and the
+versioned writes make the retry find what the primary kept), never reported as done. Defaults: 1 and
+5000 ms with Sentinels, 0 (no wait) for one server. Other query options go to redis-py as usual.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ SENTINEL_SCHEME = "redis+sentinel"
 SENTINEL_CONNECT_TIMEOUT_S = 2.0  # a Sentinel or data node that does not accept within this counts as down
 DEFAULT_SENTINEL_PORT = 26379
 SENTINEL_WAIT_REPLICAS = 1  # default wait_replicas with Sentinels
-DEFAULT_WAIT_TIMEOUT_MS = 1000
+DEFAULT_WAIT_TIMEOUT_MS = 5000  # a failover's new primary needs its replicas back: about a second
 _WAIT_OPTIONS = ("wait_replicas", "wait_timeout_ms")
 
 

@@ -32,6 +32,7 @@ from enum import IntEnum
 from typing import Protocol, runtime_checkable
 
 import msgspec
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from shared.generation import Answer, answer_of
 from shared.messages.base import CacheMode, ConfidenceStats, StepKind
@@ -432,20 +433,25 @@ def redis_client(url: str, **kwargs):
     return sentinel_client(target, retry=retry, decode_responses=False, **kwargs)
 
 
+class ReplicationError(RedisConnectionError):
+    """A write the primary applied but no replica confirmed within the wait: not durable, so not done.
+    A connection error: ``shared.retry.retry_transient`` and the services' retries treat it as one."""
+
+
 class RedisStateStore:
     """The ``StateStore`` on Redis (``redis.asyncio``); batch calls are one pipelined round trip."""
 
     def __init__(self, client, prefix: str = "dls", completed_ttl_s: float = DEFAULT_COMPLETED_TTL_S,
-                 wait_replicas: int = 0, wait_timeout_ms: int = 1000) -> None:
+                 wait_replicas: int = 0, wait_timeout_ms: int = 5000) -> None:
         """``client``: a ``redis.asyncio.Redis`` with ``decode_responses=False`` (records are bytes);
         ``wait_replicas``: every write waits (Redis ``WAIT``, up to ``wait_timeout_ms``) until that many
-        replicas hold it, so a failover to one of them cannot lose it."""
+        replicas hold it, so a failover to one of them cannot lose it; ``ReplicationError`` if they do not."""
         self._redis = client
         self.prefix = prefix
         self.completed_ttl_s = completed_ttl_s
         self.wait_replicas = wait_replicas
         self.wait_timeout_ms = wait_timeout_ms
-        self.num_unreplicated = 0  # writes whose WAIT timed out short of wait_replicas
+        self.num_unreplicated = 0  # writes whose WAIT timed out short of wait_replicas (ReplicationError)
         self._create = client.register_script(_CREATE)
         self._save = client.register_script(_SAVE)
         self._append = client.register_script(_APPEND)
@@ -570,11 +576,11 @@ class RedisStateStore:
                 await self._redis.script_load(script.script)
                 continue
             if int(num_replicas) < self.wait_replicas:
+                # applied on the primary, but a failover now could lose it: not done (the caller retries,
+                # and its versioned retry finds whatever the primary kept)
                 self.num_unreplicated += 1
-                if self.num_unreplicated in (1, 10, 100) or self.num_unreplicated % 1000 == 0:
-                    logger.warning("a state write reached %s of %d replicas within %d ms (%d such writes): a "
-                                   "failover now could lose it", num_replicas, self.wait_replicas,
-                                   self.wait_timeout_ms, self.num_unreplicated)
+                raise ReplicationError(f"a state write reached {num_replicas} of {self.wait_replicas} replica(s) "
+                                       f"within {self.wait_timeout_ms} ms")
             return reply
         raise AssertionError("unreachable")
 

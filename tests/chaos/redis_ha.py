@@ -61,7 +61,7 @@ class ReplicatedRedis:
     run_dir: Path
     num_replicas: int = 2
     num_sentinels: int = 3
-    down_after_ms: int = 1000
+    down_after_ms: int = 2000
     failover_timeout_ms: int = 4000
     ports: list[int] = field(default_factory=list)  # data nodes; node 0 starts as the primary
     sentinel_ports: list[int] = field(default_factory=list)

@@ -13,7 +13,7 @@ import pytest
 
 from shared.redis_target import RedisUrlError, parse_redis_url
 from shared.retry import retry_transient
-from shared.state import RedisStateStore, RequestExistsError, StaleStateError
+from shared.state import RedisStateStore, ReplicationError, RequestExistsError, StaleStateError
 from tests.chaos.redis_ha import ReplicatedRedis
 from tests.unit.contracts.contract_builders import make_record
 from tests.unit.contracts.state_cases import CASES, step_record
@@ -41,6 +41,23 @@ def test_the_store_behaves_the_same_through_sentinels(case, replicated, unique_p
         try:
             await case(store)
             assert store.num_unreplicated == 0
+        finally:
+            await store.close()
+
+    asyncio.run(main())
+
+
+def test_a_write_no_replica_confirms_is_not_reported_done(replicated, unique_prefix):
+    """Waiting for more replicas than there are: the write is applied on the primary, and the store
+    raises ReplicationError (a connection error callers retry) instead of returning it as done."""
+    async def main():
+        store = RedisStateStore.from_url(f"{replicated.url}?wait_replicas=3&wait_timeout_ms=200", unique_prefix)
+        try:
+            with pytest.raises(ReplicationError, match="reached 2 of 3 replica"):
+                await store.create(make_record("r1"))
+            assert store.num_unreplicated == 1
+            with pytest.raises(RequestExistsError):  # the retry finds what the primary kept
+                await RedisStateStore.from_url(replicated.url, unique_prefix).create(make_record("r1"))
         finally:
             await store.close()
 
