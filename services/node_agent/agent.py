@@ -13,8 +13,8 @@
   per consecutive crash (``restart_backoff_s`` up to ``restart_backoff_max_s``; reset once READY).
 - Hung workers: a worker that has been READY and then sends no heartbeat for ``hang_timeout_s`` (a
   stopped or wedged process), or whose heartbeats report a step computing for longer than that (a
-  step that never returns while its heartbeat task lives), is SIGKILLed with its process group and so
-  restarted as above. Silence is only counted while the agent's own NATS connection is up. The
+  step that never returns while its heartbeat task lives), or a restarted worker not READY within
+  ``start_timeout_s``, is SIGKILLed with its process group and so restarted as above. Silence is only counted while the agent's own NATS connection is up. The
   scheduler has already moved its requests away (its lease ran out, or ``shared.leases.step_stuck``).
 - SIGTERM / SIGINT: every worker is stopped as above, then the agent exits.
 
@@ -108,11 +108,18 @@ def initial_slots(gpu_ids: Iterable[int], degrees: Iterable[int]) -> list[tuple[
     return slots
 
 
-def hang_problem(worker: Worker, now: float, timeout_s: float) -> str | None:
+def hang_problem(worker: Worker, now: float, timeout_s: float, start_timeout_s: float) -> str | None:
     """Why ``worker`` counts as hung at ``now`` (``time.monotonic()``), or None: a worker that has been
-    READY in its current process and then went silent, or reports a step computing, for over ``timeout_s``."""
+    READY in its current process and then went silent, or reports a step computing, for over ``timeout_s``;
+    or a restartable one (booted, restarted) not READY ``start_timeout_s`` after it was spawned (a worker
+    a plan starts is waited for, and stopped, by the plan: ``_wait_ready``)."""
     process = worker.process
-    if worker.stopping or process is None or process.returncode is not None or not worker.ready.is_set():
+    if worker.stopping or process is None or process.returncode is not None:
+        return None
+    if not worker.ready.is_set():
+        starting_s = now - worker.spawned_mono
+        if worker.restartable and starting_s > start_timeout_s:
+            return f"not READY {starting_s:.0f} s after it started"
         return None
     silent_s = now - worker.last_heard
     if silent_s > timeout_s:
@@ -147,6 +154,8 @@ class Worker:
     ready: asyncio.Event = field(default_factory=asyncio.Event)  # READY heartbeat of the current process
     watcher: asyncio.Task | None = None  # waits for the current process to exit (and restarts it)
     last_heard: float = 0.0  # time.monotonic() of its current process's latest heartbeat (or spawn)
+    spawned_mono: float = 0.0  # time.monotonic() of its current process's spawn
+    killed_pid: int | None = None  # the process the watchdog killed as hung (once)
     started_at: float | None = None  # its current process's started_at, from its heartbeats (its clock)
     previous_started_at: float | None = None  # the process before it's (a late heartbeat of that one is ignored)
     step_running_s: float = 0.0  # as its latest heartbeat reported
@@ -291,7 +300,8 @@ class NodeAgent:
         worker.status = None
         if worker.started_at is not None:
             worker.previous_started_at = worker.started_at
-        worker.started_at, worker.step_running_s, worker.last_heard = None, 0.0, time.monotonic()
+        worker.started_at, worker.step_running_s = None, 0.0
+        worker.last_heard = worker.spawned_mono = time.monotonic()
         worker.watcher = asyncio.create_task(self._watch(worker, worker.process), name=f"watch {worker.instance_id}")
         logger.info("started %s as pid %d (log %s)", worker.describe(), worker.process.pid, path)
 
@@ -327,17 +337,17 @@ class NodeAgent:
                 if self.nc is None or not self.nc.is_connected:
                     worker.last_heard = now  # the agent cannot hear anyone: it judges nobody
                     continue
-                problem = hang_problem(worker, now, self.settings.hang_timeout_s)
+                problem = hang_problem(worker, now, self.settings.hang_timeout_s, self.settings.start_timeout_s)
                 if problem is not None:
                     self._kill_hung(worker, problem)
 
     def _kill_hung(self, worker: Worker, problem: str) -> None:
         """SIGKILL a hung worker's process group; its watcher restarts it (an unasked exit)."""
         process = worker.process
-        if process is None or process.returncode is not None:
+        if process is None or process.returncode is not None or worker.killed_pid == process.pid:
             return
         logger.warning("%s is hung (%s): killing pid %d; it restarts", worker.describe(), problem, process.pid)
-        worker.ready.clear()  # judged once per process
+        worker.killed_pid = process.pid  # judged once per process
         self.num_hung_killed += 1
         self.metrics.hung.inc()
         _signal(process.pid, signal.SIGKILL, group=True)

@@ -5,7 +5,8 @@ STOPPING, and exits. Knobs (environment): FAKE_WORKER_PID_DIR (it records ``<ins
 there), FAKE_WORKER_FAIL_TP (exit at once with code 3 when its TP degree is this one),
 FAKE_WORKER_IGNORE_SIGTERM (never exit on SIGTERM: the agent has to kill it), FAKE_WORKER_STUCK_GPU
 (the first worker on this GPU reports, from its third heartbeat on, a step that has been computing
-ever since: its heartbeats go on, its step never returns)."""
+ever since: its heartbeats go on, its step never returns), FAKE_WORKER_MUTE_SECOND_GPU (the second
+process on this GPU never sends a heartbeat: a restart that hangs before it is READY)."""
 
 from __future__ import annotations
 
@@ -63,6 +64,13 @@ async def main():
         print("failing on purpose", flush=True)
         sys.exit(3)
     started_at = time.time()
+    if os.environ.get("FAKE_WORKER_MUTE_SECOND_GPU") == str(GPU_IDS[0]):
+        pid_dir = os.environ["FAKE_WORKER_PID_DIR"]
+        n = len([f for f in os.listdir(pid_dir) if f.startswith(f"proc-g{GPU_IDS[0]}-")])
+        open(os.path.join(pid_dir, f"proc-g{GPU_IDS[0]}-{n}"), "w").close()
+        if n == 1:
+            print("silent on purpose", flush=True)
+            await asyncio.sleep(3600)
     nc = await nats.connect(os.environ["DLS_NATS_URL"])
     subject = Subjects(os.environ["DLS_SUBJECT_PREFIX"]).heartbeat
     stop = asyncio.Event()
@@ -125,7 +133,7 @@ class Cluster:
         return sorted(i for i, beat in self.beats.items() if beat.status == WorkerStatus.READY)
 
     def pids(self, instance_id: str | None = None) -> list[int]:
-        return sorted(int(p.name.rsplit(".", 1)[1]) for p in self.pid_dir.iterdir() if p.name != "stuck"
+        return sorted(int(p.name.rsplit(".", 1)[1]) for p in self.pid_dir.iterdir() if "." in p.name
                       if instance_id is None or p.name.rsplit(".", 1)[0] == instance_id)
 
     def ack_for(self, plan_id: str) -> PlanAck | None:
@@ -301,7 +309,8 @@ def test_bad_settings_fail_at_start_with_a_clear_message(tmp_path):
 
 def test_hung_workers_are_killed_and_replaced(nats_server, unique_prefix, tmp_path):
     """A stopped process (SIGSTOP: no heartbeats) and a live one whose step never returns (its heartbeats
-    say so) are both killed by the agent and restarted on their GPUs; the healthy one is left alone."""
+    say so) are both killed by the agent and restarted on their GPUs, the latter's restart (silent: never
+    READY) once more after the start timeout; the healthy one is left alone."""
     cluster = Cluster(tmp_path / "pids")
 
     async def main(agent, log):
@@ -317,13 +326,16 @@ def test_hung_workers_are_killed_and_replaced(nats_server, unique_prefix, tmp_pa
                     and cluster.beats[instance_id].status == WorkerStatus.READY
                     and cluster.beats[instance_id].step_running_s == 0.0)
 
-        await until(lambda: replaced(0, stuck_pid) and replaced(1, stopped_pid), "both hung workers replaced",
-                    agent, log)
+        await until(lambda: replaced(1, stopped_pid) and len(cluster.pids(by_gpu[0])) == 3
+                    and cluster.beats[by_gpu[0]].status == WorkerStatus.READY
+                    and cluster.beats[by_gpu[0]].step_running_s == 0.0, "both hung workers replaced", agent, log)
+        assert not alive(stuck_pid) and not alive(cluster.pids(by_gpu[0])[1])
         assert alive(healthy_pid) and cluster.pids(by_gpu[2]) == [healthy_pid]
         await nc.close()
 
     agent, log = start_agent(tmp_path, nats_server.url, unique_prefix, [0, 1, 2], [1, 1, 1],
-                             DLS_NODE_AGENT_HANG_TIMEOUT_S="1.5", FAKE_WORKER_STUCK_GPU="0")
+                             DLS_NODE_AGENT_HANG_TIMEOUT_S="1.5", FAKE_WORKER_STUCK_GPU="0",
+                             FAKE_WORKER_MUTE_SECOND_GPU="0", DLS_NODE_AGENT_START_TIMEOUT_S="3")
     try:
         asyncio.run(main(agent, log))
         assert stop_agent(agent, log) == 0, log.read_text()[-3000:]
@@ -333,3 +345,4 @@ def test_hung_workers_are_killed_and_replaced(nats_server, unique_prefix, tmp_pa
             agent.wait()
     text = log.read_text()
     assert "is hung (a step computing for" in text and "is hung (no heartbeat for" in text, text[-3000:]
+    assert "is hung (not READY " in text, text[-3000:]
