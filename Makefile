@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test test-chaos test-all lint bench train-model profile clean
+.PHONY: setup run test test-chaos test-soak test-all lint bench train-model profile clean
 
 setup: $(STAMP)
 
@@ -24,6 +24,14 @@ test: setup
 # plus an overload burst; writes chaos-report.json and fails on any lost or duplicated request.
 test-chaos: setup
 	$(PY) -m tests.chaos
+
+# The soak: open-loop load at 70% of the local stack's capacity for SOAK_MINUTES while a seeded injector
+# kills and restarts workers, scheduler, predictor, reconfigurator, gateways, NATS nodes and the Redis
+# primary, hangs a worker, skews a worker's clock and applies plans; writes soak-report.json and fails
+# on any lost, duplicated or unanswered request (tests/chaos/README.md).
+SOAK_MINUTES ?= 10
+test-soak: setup
+	$(PY) -m tests.soak --minutes $(SOAK_MINUTES) --json soak-report.json
 
 test-all: setup
 	$(PY) -m pytest -q -m ''

@@ -3,9 +3,10 @@
 A ``Tracked`` request is sent with ``stream: true``: the answer's headers (``X-Request-Id``) arrive with
 its first progress event, so from then on the client knows the id. It reads the stream to ``[DONE]``;
 if the stream breaks (gateway killed), it polls ``GET /v1/requests/{id}`` (on whichever gateway answers)
-until the request is terminal. Before an id is known, a 503 or a refused connection is retried after
-``Retry-After`` (nothing was accepted yet); a 429 is counted as refused when ``retry_429`` is false
-(the overload scenario) and retried otherwise.
+until the request is terminal. Before an id is known, a refused connection is retried on the next
+gateway (nothing was accepted yet), a 503 after its ``Retry-After``; a 429 (a 503) is counted as
+refused when ``retry_429`` (``retry_503``) is false and retried otherwise. Every 429/503 answer is
+kept with its ``Retry-After`` (``refusals``).
 
 ``check_no_duplicates`` reads a finished request's step records: no canvas position committed by two
 steps, step indices 1..num_steps each exactly once (a step run twice would show as a repeat).
@@ -39,6 +40,10 @@ class Tracked:
     status: str = ""  # the stored status once polled
     ids_seen: list[str] = field(default_factory=list)  # every request id the gateway gave it
     retry_429: bool = True  # send again after a 429's Retry-After (False: count it as refused)
+    retry_503: bool = True  # send again after a 503's Retry-After (False: count it as refused)
+    refusals: list[tuple[int, str]] = field(default_factory=list)  # (status, Retry-After) of every 429/503
+    sent_at: float = 0.0  # time.monotonic() of the first attempt
+    done_at: float = 0.0  # time.monotonic() it became terminal (completed, refused, failed)
 
 
 def body(index: int, max_tokens: int = 16) -> dict:
@@ -50,33 +55,41 @@ async def run_request(base_url: str | list[str], tracked: Tracked, deadline: flo
                       got_id: asyncio.Event | None = None) -> Tracked:
     """Send ``tracked`` and follow it until terminal (or ``deadline``, a ``time.monotonic()``)."""
     urls = [base_url] if isinstance(base_url, str) else base_url
+    tracked.sent_at = tracked.sent_at or time.monotonic()
     async with httpx.AsyncClient(timeout=httpx.Timeout(30.0, read=120.0)) as client:
-        while tracked.request_id is None and time.monotonic() < deadline:
-            tracked.attempts += 1
-            try:
-                done = await _stream(client, urls[0], tracked, got_id)
-            except (httpx.TransportError, httpx.StreamError) as exc:
-                if tracked.request_id is None:  # refused before anything was accepted: send again
-                    await asyncio.sleep(1.0)
-                    continue
-                tracked.stream_broke, tracked.detail = True, f"{type(exc).__name__}: {exc}"
-                break
-            if done == "retry":
-                continue
-            if done in ("refused", "failed"):
-                tracked.outcome = done
-                return tracked
-            if done == "completed":
-                tracked.outcome = "completed"
-                return tracked
-            tracked.stream_broke = True  # the stream ended without [DONE]
-            break
-        if tracked.request_id is None:
-            tracked.outcome = "lost" if tracked.attempts else "pending"
-            tracked.detail = tracked.detail or "never got an id before the deadline"
-            return tracked
-        await _poll(client, urls, tracked, deadline)
+        await _follow(client, urls, tracked, deadline, got_id)
+    tracked.done_at = time.monotonic()
     return tracked
+
+
+async def _follow(client: httpx.AsyncClient, urls: list[str], tracked: Tracked, deadline: float,
+                  got_id: asyncio.Event | None) -> None:
+    while tracked.request_id is None and time.monotonic() < deadline:
+        tracked.attempts += 1
+        url = urls[(tracked.attempts - 1) % len(urls)]  # a refused connection: the next gateway
+        try:
+            done = await _stream(client, url, tracked, got_id)
+        except (httpx.TransportError, httpx.StreamError) as exc:
+            if tracked.request_id is None:  # refused before anything was accepted: send again
+                await asyncio.sleep(1.0)
+                continue
+            tracked.stream_broke, tracked.detail = True, f"{type(exc).__name__}: {exc}"
+            break
+        if done == "retry":
+            continue
+        if done in ("refused", "failed"):
+            tracked.outcome = done
+            return
+        if done == "completed":
+            tracked.outcome = "completed"
+            return
+        tracked.stream_broke = True  # the stream ended without [DONE]
+        break
+    if tracked.request_id is None:
+        tracked.outcome = "lost" if tracked.attempts else "pending"
+        tracked.detail = tracked.detail or "never got an id before the deadline"
+        return
+    await _poll(client, urls, tracked, deadline)
 
 
 async def _stream(client: httpx.AsyncClient, url: str, tracked: Tracked, got_id: asyncio.Event | None) -> str:
@@ -84,10 +97,11 @@ async def _stream(client: httpx.AsyncClient, url: str, tracked: Tracked, got_id:
         if reply.status_code in (429, 503):
             retry = reply.headers.get("retry-after", "")
             await reply.aread()
+            tracked.refusals.append((reply.status_code, retry))
             if reply.status_code == 429:
                 tracked.retry_after.append(retry)
-                if not tracked.retry_429:
-                    return "refused"
+            if not (tracked.retry_429 if reply.status_code == 429 else tracked.retry_503):
+                return "refused"
             await asyncio.sleep(float(retry or 1))
             return "retry"
         if reply.status_code != 200:

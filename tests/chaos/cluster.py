@@ -4,10 +4,14 @@
   routes between them) with the intake stream at 3 replicas, so one node can die with no
   acknowledged request lost;
 - Redis: ``redis-server`` with AOF on and ``appendfsync always`` (a SIGKILL loses no acknowledged
-  write);
+  write); or (``redis_mode="sentinel"``) a replicated one, a primary, two replicas and three Sentinels
+  (``redis_ha.ReplicatedRedis``), which the services reach by a ``redis+sentinel://`` URL;
 - the services, each its own ``python -m services.<name>`` process with ``DLS_*`` variables (the same
   environment ``dls up`` gives them, ``services.stack.service_env``): scheduler, predictor, a node
-  agent with paced TP-1 workers (steps long enough to kill things mid-generation), the gateway.
+  agent with paced TP-1 workers (steps long enough to kill things mid-generation), the gateway (or
+  ``gateways`` of them, ``gateway``, ``gateway-1``, ...), and with ``reconfigurator=True`` the
+  reconfigurator. Scheduler, predictor and reconfigurator serve ``/health`` and ``/ready`` on a
+  metrics port of their own (``metrics_ports``).
 
 ``dls up`` would tear the whole stack down when one child dies; a chaos run needs the opposite, so
 this harness owns the processes itself. Every process it starts is in its own session and stopped by
@@ -17,6 +21,7 @@ its own pid (never by name).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import signal
@@ -32,10 +37,18 @@ from types import SimpleNamespace
 
 from services.stack import service_env
 from shared.runtime import free_port
+from tests.chaos.redis_ha import ReplicatedRedis
 
 REPO = Path(__file__).resolve().parents[2]
 PACE_PROFILE = "profiles/llada-8b-h100.json"
-SERVICES = ("scheduler", "predictor", "node_agent", "gateway")
+
+
+def gateway_name(i: int) -> str:
+    return "gateway" if i == 0 else f"gateway-{i}"
+
+
+def gateway_index(name: str) -> int:
+    return 0 if name == "gateway" else int(name.rsplit("-", 1)[1])
 
 
 class ChaosError(RuntimeError):
@@ -100,16 +113,37 @@ class Cluster:
     pace_scale: float = 8.0
     nats_nodes: int = 3
     extra_env: dict[str, str] = field(default_factory=dict)
+    redis_mode: str = "single"  # "single": one redis-server with AOF; "sentinel": replicated (ReplicatedRedis)
+    gateways: int = 1
+    reconfigurator: bool = False  # run the reconfigurator too
+    gpu_slots: int = 0  # the node agent's GPU slots (0: one per worker); more leave room for plans to start some
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)  # name -> the running process
     nats_ports: list[int] = field(default_factory=list)
     cluster_ports: list[int] = field(default_factory=list)
     redis_port: int = 0
-    gateway_port: int = 0
+    redis_ha: ReplicatedRedis | None = None
+    gateway_ports: list[int] = field(default_factory=list)
+    metrics_ports: dict[str, int] = field(default_factory=dict)  # service -> its /metrics, /health, /ready port
     env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def services(self) -> list[str]:
+        """The service processes, in start order."""
+        names = ["scheduler", "predictor", *(["reconfigurator"] if self.reconfigurator else []), "node_agent"]
+        return names + [gateway_name(i) for i in range(self.gateways)]
+
+    @property
+    def gateway_port(self) -> int:
+        return self.gateway_ports[0] if self.gateway_ports else 0
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.gateway_port}"
+
+    @property
+    def urls(self) -> list[str]:
+        """Every gateway's base URL."""
+        return [f"http://127.0.0.1:{port}" for port in self.gateway_ports]
 
     @property
     def nats_urls(self) -> list[str]:
@@ -117,6 +151,8 @@ class Cluster:
 
     @property
     def redis_url(self) -> str:
+        if self.redis_ha is not None:
+            return self.redis_ha.url
         return f"redis://127.0.0.1:{self.redis_port}/0"
 
     # --- processes -------------------------------------------------------------------------------
@@ -149,7 +185,8 @@ class Cluster:
 
     def stop(self) -> None:
         """Everything this run started, services first (SIGTERM, then SIGKILL), servers last."""
-        order = [n for n in ("gateway", "node_agent", "predictor", "scheduler") if n in self.processes]
+        order = [n for n in self.processes if n.startswith("gateway")]
+        order += [n for n in ("node_agent", "reconfigurator", "predictor", "scheduler") if n in self.processes]
         order += [n for n in self.processes if n not in order and n != "redis" and not n.startswith("nats")]
         order += [n for n in self.processes if n.startswith("nats")] + (["redis"] if "redis" in self.processes else [])
         for name in order:
@@ -167,6 +204,8 @@ class Cluster:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
+        if self.redis_ha is not None:
+            self.redis_ha.stop()
 
     # --- servers ---------------------------------------------------------------------------------
 
@@ -215,6 +254,13 @@ class Cluster:
             await nc.close()
 
     def start_redis(self) -> None:
+        if self.redis_mode == "sentinel":
+            if self.redis_ha is None:
+                self.redis_ha = ReplicatedRedis(self.run_dir / "redis-ha")
+                self.redis_ha.start()
+            return
+        if self.redis_mode != "single":
+            raise ChaosError(f"redis_mode {self.redis_mode!r}: 'single' or 'sentinel'")
         if not self.redis_port:
             self.redis_port = free_port()
         data = self.run_dir / "redis"
@@ -229,7 +275,7 @@ class Cluster:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.start_nats()
         self.start_redis()
-        self.gateway_port = free_port()
+        self.gateway_ports = [free_port() for _ in range(self.gateways)]
         args = SimpleNamespace(host="127.0.0.1", port=self.gateway_port, workers=self.workers, tp=None,
                                policy="dilaserve", pace=PACE_PROFILE, pace_scale=self.pace_scale,
                                pace_context=None, model="models/dls-tiny", run_dir=str(self.run_dir), schedulers=1)
@@ -249,14 +295,28 @@ class Cluster:
             "DLS_LOG_LEVEL": "INFO",
             "PYTHONUNBUFFERED": "1",
         })
+        if self.gpu_slots:
+            slots = max(self.gpu_slots, self.workers)
+            env["DLS_NODE_AGENT_GPU_IDS"] = json.dumps(list(range(slots)))
+            env["DLS_RECONFIGURATOR_CLUSTER"] = json.dumps({"nodes": {"local": slots}})
         env.update(self.extra_env)
         self.env = env
-        for name in SERVICES:
+        self.metrics_ports = {name: free_port() for name in ("scheduler", "predictor", "reconfigurator")}
+        for name in self.services:
             self.start_service(name)
         self.wait_ready(240)
 
+    def service_env(self, name: str) -> dict[str, str]:
+        """The environment of service process ``name``."""
+        env = dict(self.env)
+        if name.startswith("gateway"):
+            env["DLS_GATEWAY_PORT"] = str(self.gateway_ports[gateway_index(name)])
+        env["DLS_METRICS_PORT"] = str(self.metrics_ports.get(name, 0))
+        return env
+
     def start_service(self, name: str) -> None:
-        self.spawn(name, [sys.executable, "-m", f"services.{name}"], self.env)
+        module = "gateway" if name.startswith("gateway") else name
+        self.spawn(name, [sys.executable, "-m", f"services.{module}"], self.service_env(name))
 
     def restart_service(self, name: str) -> None:
         self.start_service(name)
@@ -274,24 +334,34 @@ class Cluster:
                 continue
         return sorted(out)
 
-    def ready_workers(self) -> int:
-        """READY workers the gateway hears (0 when the gateway does not answer)."""
-        import json
+    def ready_workers(self, prefix: str = "") -> int:
+        """READY workers (with instance ids starting ``prefix``) a gateway hears (0 when none answers)."""
+        for url in self.urls:
+            try:
+                with urllib.request.urlopen(f"{url}/readyz", timeout=3) as reply:
+                    body = json.loads(reply.read())
+            except urllib.error.HTTPError as exc:
+                body = json.loads(exc.read() or b"{}")
+            except (OSError, ValueError):
+                continue
+            return sum(1 for w in body.get("workers", []) if w.get("status") == "READY"
+                       and w.get("instance_id", "").startswith(prefix))
+        return 0
 
+    def probe(self, name: str, path: str = "/ready") -> bool:
+        """Does service ``name`` answer 200 on ``path`` (gateways: their HTTP port; others: metrics port)?"""
+        port = self.gateway_ports[gateway_index(name)] if name.startswith("gateway") else self.metrics_ports[name]
         try:
-            with urllib.request.urlopen(f"{self.url}/readyz", timeout=3) as reply:
-                body = json.loads(reply.read())
-        except urllib.error.HTTPError as exc:
-            body = json.loads(exc.read() or b"{}")
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=3) as reply:
+                return reply.status == 200
         except (OSError, ValueError):
-            return 0
-        return sum(1 for w in body.get("workers", []) if w.get("status") == "READY")
+            return False
 
     def wait_ready(self, timeout_s: float, workers: int | None = None) -> None:
         want = self.workers if workers is None else workers
 
         def ready() -> bool:
-            for name in SERVICES:
+            for name in self.services:
                 if name in self.processes and not self.alive(name):
                     raise ChaosError(f"{name} exited with {self.processes[name].returncode}; see "
                                      f"{self.run_dir / 'logs' / name}.log")
