@@ -140,6 +140,8 @@ def write_quality_curve(model_dir: Path, bench: dict) -> None:
         "max_shots": bench["max_shots"],
         "accuracy": bench["accuracy"],
         "accuracy_dual_cache": bench["accuracy_dual_cache"],
+        # each family as served (dual cache, the default canvas; the long family at its bench block)
+        "families": {name: fam["accuracy"] for name, fam in bench.get("families", {}).items()},
     }
     (model_dir / QUALITY_FILE).write_text(json.dumps(curve, indent=2) + "\n")
 

@@ -66,11 +66,16 @@ class Setup:
 
     def quality_curve(self) -> tuple[dict[float, float], str]:
         """(threshold -> accuracy, where it comes from): the model's measured curve (quality.json,
-        written with its model card from `bench.engine`: 500 problems) for the preset's cache mode,
-        else the replay trace's calibration (192 problems: a point of accuracy is two answers)."""
+        written with its model card from `bench.engine`: 500 problems) for the preset's task family
+        when it has one (measured as served), else for its cache mode; else the replay trace's
+        calibration (192 problems: a point of accuracy is two answers)."""
         path = Path(self.model_dir) / "quality.json"
         if path.exists():
             data = json.loads(path.read_text())
+            family = self.preset.workload.family
+            if family and family in data.get("families", {}):
+                curve = data["families"][family]
+                return {float(t): float(a) for t, a in curve.items()}, f"{path} (families.{family})"
             key = "accuracy" if self.preset.cache_mode == CacheMode.NONE else "accuracy_dual_cache"
             return {float(t): float(a) for t, a in data[key].items()}, f"{path} ({key}, {data['problems']} problems)"
         return self.trace.overall_accuracy(), "replay trace calibration"

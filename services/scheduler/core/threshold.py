@@ -76,6 +76,17 @@ def within_quality_budget(
     return tuple(sorted(kept))
 
 
+def within_quality_budgets(
+    thresholds: Sequence[float], curves: Sequence[Mapping[float, float]], budget_pp: float
+) -> tuple[float, ...]:
+    """The candidates within the budget on every curve (one per task family, say): no family the
+    model serves loses more than ``budget_pp`` points to a lower threshold."""
+    kept = set(float(t) for t in thresholds)
+    for curve in curves:
+        kept &= set(within_quality_budget(thresholds, curve, budget_pp))
+    return tuple(sorted(kept))
+
+
 class PredictionMode(StrEnum):
     ONLINE = "online"  # the latest prediction (step predictor updated as the request runs)
     ONESHOT = "oneshot"  # only the prediction made at arrival, scaled by token progress

@@ -34,3 +34,12 @@ def test_a_negative_budget_or_no_curve_keeps_them_all(tmp_path):
 def test_a_curve_without_a_candidate_is_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match="DLS_SCHEDULER_QUALITY_BUDGET_PP.*0.5"):
         candidate_thresholds(settings(tmp_path, curve={"0.9": 1.0}))
+
+
+def test_every_family_curve_must_keep_within_the_budget(tmp_path):
+    """A long family whose accuracy falls off sooner than the short mix narrows the candidates."""
+    chain = {"0.5": 0.0, "0.6": 0.5, "0.7": 0.95, "0.8": 0.985, "0.9": 0.99}
+    (tmp_path / "quality.json").write_text(json.dumps({"accuracy": CURVE, "families": {"chain": chain},
+                                                       "problems": 500}))
+    assert candidate_thresholds(SchedulerSettings(model_dir=str(tmp_path), thresholds=[0.5, 0.6, 0.7, 0.8, 0.9])) \
+        == (0.8, 0.9)
