@@ -61,6 +61,7 @@ class Readiness:
     redis_ok: bool  # Redis answered PING
     workers: list[WorkerHeartbeat] = field(default_factory=list)  # live worker leases (any status)
     detail: dict[str, str] = field(default_factory=dict)  # component -> what is wrong with it
+    heard_s: dict[str, float] = field(default_factory=dict)  # instance id -> seconds since its heartbeat arrived
 
 
 class Bus(Protocol):
@@ -244,7 +245,10 @@ class GatewayBus:
         if not self.connected:
             detail["nats"] = self._problem()
         redis_ok = await self._ping_redis(detail)
-        return Readiness(self.connected, redis_ok, self._workers.live(self._clock()), detail)
+        now = self._clock()
+        workers = self._workers.live(now)
+        heard = {hb.instance_id: now - self._workers.get(hb.instance_id).received_at for hb in workers}
+        return Readiness(self.connected, redis_ok, workers, detail=detail, heard_s=heard)
 
     def ready_workers(self) -> list[WorkerHeartbeat] | None:
         since = self._heartbeats_since

@@ -118,8 +118,9 @@ class ClusterMonitor:
         while self.steps and self.steps[0][0] < now - self.window_s:
             self.steps.popleft()
 
-    def snapshot(self, heartbeats: Sequence, served: set[str]) -> dict:
-        """The ``/v1/cluster`` body for these live heartbeats."""
+    def snapshot(self, heartbeats: Sequence, served: set[str], heard_s: dict[str, float] | None = None) -> dict:
+        """The ``/v1/cluster`` body for these live heartbeats; ``heard_s``: instance id -> seconds since its
+        latest heartbeat arrived (the worker's own ``sent_at`` is on its clock, which may be off)."""
         now = self.clock()
         self._trim(now)
         instances = []
@@ -131,7 +132,8 @@ class ClusterMonitor:
                 "max_batch": hb.max_batch, "load": hb.num_resident / hb.max_batch if hb.max_batch else None,
                 "profile_scale": hb.profile_scale, "last_threshold": seen.last_threshold,
                 "last_step_age_s": None if seen.last_step_at is None else now - seen.last_step_at,
-                "steps_seen": seen.steps, "heartbeat_age_s": max(0.0, now - hb.sent_at),
+                "steps_seen": seen.steps,
+                "heartbeat_age_s": (heard_s or {}).get(hb.instance_id, max(0.0, now - hb.sent_at)),
                 "serves_this_model": hb.model in served,
             })
         recent = [t for at, _, t in self.steps if at >= now - RECENT_STEPS_S]
@@ -271,7 +273,7 @@ def mount_dashboard(app: FastAPI, gateway, clock: Callable[[], float] = time.tim
         """Live instances, load, recent thresholds and SLO attainment over time (the dashboard's data)."""
         state = await gateway.bus.readiness()
         served = {m.name for m in gateway.preparer.catalogue.models}
-        body = monitor.snapshot(state.workers, served)
+        body = monitor.snapshot(state.workers, served, state.heard_s)
         body["ready"] = {"nats": state.nats_connected, "redis": state.redis_ok, "detail": dict(state.detail)}
         return body
 

@@ -66,7 +66,8 @@ def test_pages_and_timeline_route():
 
 def test_cluster_route_shows_instances_and_outcomes():
     bus = FakeBus()
-    bus.state = type(bus.state)(True, True, [heartbeat("local-0"), heartbeat("w1", status=WorkerStatus.DRAINING)])
+    bus.state = type(bus.state)(True, True, [heartbeat("local-0"), heartbeat("w1", status=WorkerStatus.DRAINING)],
+                                heard_s={"local-0": 1.5, "w1": 0.25})
     test_client, _ = client(bus=bus)
     with test_client:
         assert test_client.post("/v1/completions", json={"model": MODEL, "prompt": "12+30=", "stream": True}).status_code == 200
@@ -75,6 +76,8 @@ def test_cluster_route_shows_instances_and_outcomes():
     assert [(i["instance_id"], i["tp"], i["status"]) for i in body["instances"]] == [
         ("local-0", 1, "READY"), ("w1", 1, "DRAINING")]
     assert body["tp_degrees"] == {"1": 2}
+    # ages from when the heartbeats arrived, not from the workers' sent_at (0.0 in these heartbeats)
+    assert [i["heartbeat_age_s"] for i in body["instances"]] == [1.5, 0.25]
     assert body["slo"]["finished"] == 2 and body["slo"]["attainment"] == 1.0 and body["load"]["in_flight"] == 0
     assert body["instances"][0]["last_threshold"] == 0.9  # from the streamed request's progress events
     assert len(body["recent_requests"]) == 2 and body["thresholds"]["steps"] > 0
