@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-from shared.tasks import CATEGORIES
+from shared.tasks import CATEGORIES, CHAIN_NEXT_CATEGORY
 
 
 def _curve_table(bench: dict) -> str:
@@ -26,6 +26,35 @@ def _curve_table(bench: dict) -> str:
     return "\n".join(rows)
 
 
+def _family_table(bench: dict) -> str:
+    """Accuracy / mean steps per family and threshold, as served (dual cache, default canvas)."""
+    families = bench.get("families", {})
+    names = list(families)
+    rows = ["| threshold | " + " | ".join(f"{n} accuracy | {n} steps" for n in names) + " |",
+            "|---|" + "---|---|" * len(names)]
+    for tau in bench["thresholds"]:
+        cells = " | ".join(f"{families[n]['accuracy'][tau]:.3f} | {families[n]['mean_steps'][tau]:.2f}" for n in names)
+        rows.append(f"| {tau} | {cells} |")
+    shapes = "; ".join(
+        f"`{n}`: canvas {f['gen_length']} in blocks of {f['block_length']}, answers of {f['mean_answer_tokens']:.0f} "
+        f"tokens on average (at most {f['max_answer_tokens']}, EOS included) over {f['mean_blocks']:.1f} blocks, "
+        f"{f['forwards_saved_by_early_stop']:.1f} forwards saved per request by early stop at EOS "
+        f"({f['forwards_with_ignore_eos']:.1f} with `ignore_eos`)"
+        for n, f in families.items())
+    return "\n".join(rows) + "\n\n" + shapes + "."
+
+
+def _canvas_table(bench: dict) -> str:
+    """Accuracy at each threshold per family and canvas length: the answer must not follow the canvas."""
+    rows = ["| family | canvas | " + " | ".join(bench["thresholds"]) + " | steps at 0.9 |",
+            "|---|---|" + "---|" * (len(bench["thresholds"]) + 1)]
+    for family, canvases in bench.get("by_canvas", {}).items():
+        for canvas, figures in canvases.items():
+            cells = " | ".join(f"{figures['accuracy'][t]:.3f}" for t in bench["thresholds"])
+            rows.append(f"| {family} | {canvas} | {cells} | {figures['mean_steps']['0.9']:.2f} |")
+    return "\n".join(rows)
+
+
 def _categories() -> str:
     rows = []
     for cat in CATEGORIES.values():
@@ -35,24 +64,31 @@ def _categories() -> str:
     return "\n".join(rows)
 
 
+def _chain_links() -> str:
+    return ", ".join(f"`{letter}` -> `@{category}`" for letter, category in CHAIN_NEXT_CATEGORY.items())
+
+
+def _history_row(n: int, h: dict) -> str:
+    settings = h.get("settings")
+    detail = "; ".join(f"{k} {v['accuracy']:.2f}" for k, v in settings.items()) if settings else ""
+    steps = f"{h['mean_steps']:.2f}" if "mean_steps" in h else ""
+    return f"| {n} | {h['step']} | {h['loss']} | {h['accuracy']:.3f} | {steps} | {detail} |"
+
+
 def render(model_dir: Path, bench: dict) -> str:
     info = json.loads((model_dir / "training_info.json").read_text())
     cfg = info["train_config"]
     stages = [*info.get("previous_stages", []), info]  # oldest first
-    history = "\n".join(
-        f"| {n + 1} | {h['step']} | {h['loss']} | {h['accuracy']:.3f} | {h['mean_steps']:.2f} |"
-        for n, stage in enumerate(stages)
-        for h in stage["eval_history"]
-    )
+    history = "\n".join(_history_row(n + 1, h) for n, stage in enumerate(stages) for h in stage["eval_history"])
     total_steps = sum(stage["steps_done"] for stage in stages)
     total_minutes = sum(stage["wall_time_s"] for stage in stages) / 60
     stage_lines = "\n".join(
         f"{n + 1}. {stage['steps_done']} steps, "
         f"{stage.get('note') or format(stage['train_config']['add_share'], '.0%') + ' arithmetic queries'}, "
         f"lr {stage['train_config']['lr']:g}, seed {stage['train_config']['seed']}, {stage['wall_time_s'] / 60:.0f} minutes"
-        + (" (sums left-aligned, as plain text)" if n == 0 else " (sums right-aligned in the 4-token field)")
         for n, stage in enumerate(stages)
     )
+    long = bench.get("long_family", "chain")
     return f"""# {model_dir.name}: the bundled diffusion language model
 
 A small LLaDA-architecture mask predictor (LLaMA blocks without the causal mask: RMSNorm, RoPE,
@@ -63,12 +99,25 @@ lower confidence thresholds take fewer denoising steps and give wrong answers mo
 ## Model
 
 - Parameters: {info['parameters']:,} ({cfg['n_layers']} layers, d_model {cfg['d_model']}, {cfg['n_heads']} heads, SwiGLU {cfg['mlp_hidden_size']})
-- Tokenizer: characters (`tokenizer.json`); ids 0 `<pad>`, 1 `<mask>`, 2 `<eos>`
-- Generation length {cfg['gen_length']}, block length {cfg['block_length']}; answers are padded with EOS to the generation length
+- Tokenizer: characters (`tokenizer.json`); ids 0 `<pad>`, 1 `<mask>`, 2 `<eos>`; a chat template
+  that renders a conversation in the few-shot format (a single user message holding a task prompt
+  is the plain prompt; earlier turns become worked examples)
+- Canvas: any length from one block to {cfg.get('max_gen_length', cfg['gen_length'])} tokens (`max_gen_length`);
+  default {cfg['gen_length']} (a request without `max_tokens`), blocks of {cfg['block_length']} by default
 - Sums are written right-aligned in a 4-token field filled with `<pad>`, which the tokenizer renders as
   nothing (`347+589=` -> `<pad>936<eos>...` -> `936`): each digit has a fixed place whatever the carry
   out of the top digit
-- Files: `config.json` + `model.safetensors` (`save_pretrained` format), `tokenizer.json`, `training_info.json`
+- Files: `config.json` + `model.safetensors` (`save_pretrained` format), `tokenizer.json`, `training_info.json`,
+  `quality.json` (the measured curves), `predictor/` (its step predictor)
+
+## What it promises
+
+The same answer whatever canvas a request implies, from one block up to {cfg.get('max_gen_length', cfg['gen_length'])}
+tokens, when the answer fits: decoded block by block, it stops at the first block that completes an
+EOS. A server turns `max_tokens` into a canvas (rounded up to the block, at most
+{cfg.get('max_gen_length', cfg['gen_length'])}; `shared/generation.py`) and cuts the answer at the cap (`finish_reason:
+"length"`): with a canvas shorter than the answer the model writes the answer's first tokens. The
+curves below are measured that way (`python -m bench.engine`).
 
 ## Data
 
@@ -79,41 +128,50 @@ Generated by `shared/tasks.py` (seeded; 10% of arithmetic queries are held out b
   *coupled* categories every word differs from a non-word "favourite" in one letter, so committing
   each position's most likely letter at once spells the non-word (the cliff sits at the smallest
   per-position marginal); in *independent* ones every letter combination is a word.
+- `chain` (the long family): `@d.q=` -> items labelled `q` down to `a` (`q:pat p:kan ... a:bog`),
+  35 to 125 tokens; the first word is of category `d`, each later one of the category the last
+  letter of the word before it names ({_chain_links()}): every word depends on the one before, across
+  blocks, and the coupled categories along the chain break at low thresholds. Scored by validity.
 
 {_categories()}
 
-Prompts carry 0 to {cfg['max_shots']} worked examples (one per line) before the query; training
-queries are {cfg['add_share']:.0%} arithmetic in the last stage.
+Prompts carry 0 to {cfg['max_shots']} worked examples of the short families (one per line) before the query.
 
 ## Training
 
-`dls train-model` (see `services/worker/training.py`): mask ratio t ~ U(0,1) over the answer
-region, loss on masked positions weighted by 1/t, prompt never masked; AdamW with warm-up and cosine
-decay, batch {cfg['batch_size']}; {total_steps} steps in all, {total_minutes:.0f} minutes of optimisation on the
-2-core CPU (shared with other jobs for much of it), in stages (each later one `--init-from` the one
-before, fresh optimizer):
+`dls train-model` (see `services/worker/training.py`): answers padded with EOS to a canvas drawn per
+batch (from one block to {cfg.get('max_gen_length', cfg['gen_length'])}, a share shorter than the answer and cut there),
+LLaDA's mask ratio t ~ U(0,1) over the canvas for half of the rows and semi-autoregressive masking
+(a clean prefix, one block masked at ratio t, the rest masked) for the other half, loss on masked
+positions weighted by 1/t, prompt never masked; AdamW with warm-up and cosine decay, batch
+{cfg['batch_size']}; {total_steps} steps in all, {total_minutes:.0f} minutes of optimisation on the 2-core CPU (shared with
+other jobs), in stages (each later one `--init-from` the one before, fresh optimizer):
 
 {stage_lines}
 
-Stage 1 never learnt addition: with left-aligned sums each digit's place depends on the answer's
-length, which the whole carry chain decides. Right-aligning sums in a fixed field made it click
-within 2,000 steps (stage 2); stage 3 went on at a lower learning rate with fresh data (another
-seed), which brought dual-cache accuracy to within a fraction of a point of no cache. Stage 4
-re-weighted the coupled word categories so that their cliffs sit at 0.52-0.6 instead of 0.6-0.75
-(`shared/tasks.py`): stage 3's curve lost 9 points at 0.7 and 34 at 0.6, far steeper than LLaDA's
-on GSM8K, where the paper's thresholds 0.5-0.9 cost under 1%; now 0.7 keeps accuracy within half a
-point at 2.5x fewer steps than 0.9, and the trade-off bites at 0.6 and 0.5. Evaluation during
-training (64 held-out problems, reference decoder, threshold 0.9):
+Evaluation during training (held-out problems, threshold 0.9; the later stages per family and canvas):
 
-| stage | step | loss | accuracy | mean steps |
-|---|---|---|---|---|
+| stage | step | loss | accuracy | mean steps | per setting |
+|---|---|---|---|---|---|
 {history}
 
-## Speed-quality trade-off
+## Speed-quality trade-off per family
 
-Measured by `python -m bench.engine` on {bench['problems']} held-out problems with 0-{bench['max_shots']}
-shot prompts (accuracy = exact match for `add`, validity for `words`; the last two columns split
-the no-cache accuracy by family):
+Measured by `python -m bench.engine` (dual cache and early stop, as served; the long family `{long}`
+at its bench block length):
+
+{_family_table(bench)}
+
+## Per canvas length
+
+The same problems at every canvas length (accuracy by threshold, dual cache):
+
+{_canvas_table(bench)}
+
+## The short families' mix
+
+{bench['problems']} held-out problems with 0-{bench['max_shots']} shot prompts at the default canvas (accuracy = exact
+match for `add`, validity for `words`; the last two columns split the no-cache accuracy by family):
 
 {_curve_table(bench)}
 
@@ -122,9 +180,9 @@ Dual-cache step / recompute step at batch 8 with 128+ tokens: {bench['cache_step
 
 ## Limits
 
-A toy: it knows two task families and nothing else. It exists so that every figure of the serving
-system (accuracy against threshold, steps per request, predictor features) comes from a real
-denoising model rather than a stand-in.
+A toy: it knows three task families and nothing else, and nothing beyond {cfg.get('max_gen_length', cfg['gen_length'])} tokens.
+It exists so that every figure of the serving system (accuracy against threshold, steps per request,
+blocks per answer, predictor features) comes from a real denoising model rather than a stand-in.
 """
 
 
