@@ -56,7 +56,8 @@ def register(subparsers) -> None:
     g.add_argument("--num-shots", type=int, default=5, help="few-shot examples per task prompt")
     g.add_argument("--gen-len", type=int, default=16, help="max_tokens (the mean or cap for other lengths)")
     g.add_argument("--block-len", type=int, default=8, help="block_length")
-    g.add_argument("--family", default=None, choices=("add", "words"), help="only this task family")
+    g.add_argument("--family", default=None, choices=("add", "words", "chain"),
+                   help="only this task family (chain: the long one; send --gen-len 128 --block-len 16)")
     g.add_argument("--slo-ms", type=float, default=None, help="every request's SLO (default: the gateway's)")
     g.add_argument("--slo-class", action="append", default=[], metavar="NAME:FACTOR[:PRIO[:WEIGHT[:FLOOR]]]",
                    help="an SLO class: SLO = FACTOR x --slo-ms, priority, share of requests, min_threshold")
