@@ -300,3 +300,18 @@ PRESETS.register(
         quick_overrides={"workload": {"num_requests": 800}, "points": _rate_points((2.0,))},
     ),
 )
+
+PRESETS.register(
+    "live-local-long",
+    Preset(
+        "live-local-long",
+        "live-local with long answers: the chain family, max_tokens 128 in blocks of 16, dual cache, 2 TP-1 "
+        "instances (max batch 16); replay the arrivals `dls loadgen --family chain` sent (docs/live-vs-sim.md)",
+        ClusterSpec(num_nodes=1, gpus_per_node=2, initial_tp=(1, 1), max_batch=16, reconfigure=False),
+        _LONG_WORKLOAD,
+        (Point(1.0),),
+        policies=("dilaserve",),
+        cache_mode=CacheMode.DUAL,
+        quick_overrides={"workload": {"num_requests": 100}},
+    ),
+)
