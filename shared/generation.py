@@ -10,12 +10,15 @@ on the answer, never a change of it:
 * the answer is the canvas up to its first EOS, cut at ``max_tokens``: ``finish_reason`` is
   ``"stop"`` when an EOS came within the cap, ``"length"`` otherwise;
 * ``ignore_eos`` (benchmark clients send it) decodes the whole canvas; the answer is then the first
-  ``max_tokens`` positions, EOS padding included (it renders as nothing), and always ``"length"``.
+  ``max_tokens`` positions, EOS padding included (it renders as nothing), and always ``"length"``;
+* ``stop`` strings end the answer before the first of them (``"stop"``), as soon as the committed
+  prefix holds one: the engine finishes the request there and records the answer's length in tokens
+  (``stop_length``), the longest prefix of the answer whose text ends before the stop string.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 STOP = "stop"
@@ -38,15 +41,52 @@ def canvas_length(max_tokens: int, block_length: int, max_canvas: int) -> int:
 
 
 def answer_of(canvas: Sequence[int], eos_id: int | None, max_tokens: int | None = None,
-              ignore_eos: bool = False) -> Answer:
-    """The answer of a finished canvas (``max_tokens`` None: the whole canvas is allowed)."""
+              ignore_eos: bool = False, stop_length: int | None = None) -> Answer:
+    """The answer of a finished canvas (``max_tokens`` None: the whole canvas is allowed;
+    ``stop_length``: a stop string ended the answer after that many tokens)."""
     cap = len(canvas) if max_tokens is None else min(max_tokens, len(canvas))
+    if stop_length is not None and stop_length <= cap:
+        return Answer(list(canvas[:stop_length]), STOP)
     tokens = list(canvas[:cap])
     if ignore_eos:
         return Answer(tokens, LENGTH)
     if eos_id is not None and eos_id in tokens:
         return Answer(tokens[: tokens.index(eos_id)], STOP)
     return Answer(tokens, LENGTH)
+
+
+def find_stop(text: str, stops: Sequence[str]) -> int | None:
+    """Where the first of ``stops`` (empty strings ignored) begins in ``text``; None when none occurs."""
+    found = [i for i in (text.find(s) for s in stops if s) if i >= 0]
+    return min(found) if found else None
+
+
+def stop_length(token_ids: Sequence[int], decode: Callable[[list[int]], str], stops: Sequence[str]) -> int | None:
+    """The number of leading tokens of an answer that a stop string ends: the longest prefix whose text
+    ends before the first stop string begins; None when the text holds none."""
+    if not stops:
+        return None
+    tokens = list(token_ids)
+    at = find_stop(decode(tokens), stops)
+    if at is None:
+        return None
+    lo, hi = 0, len(tokens)  # the longest prefix whose text is at most `at` characters
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if len(decode(tokens[:mid])) <= at:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def stream_release(answer_so_far: int, stops: Sequence[str], finished: bool) -> int:
+    """How many answer tokens a stream may show: all once finished; before that, all but the last
+    ``longest stop - 1`` (each at least one character), which a stop string completed later could
+    still take back."""
+    if finished or not stops:
+        return answer_so_far
+    return max(answer_so_far - (max((len(s) for s in stops), default=1) - 1), 0)
 
 
 # --- a model's generation limits -----------------------------------------------------------------

@@ -21,7 +21,17 @@ Approximate KV cache (Fast-dLLM):
 
 Early stop: a request stops at the first block that completes an EOS (the rest of its canvas becomes
 EOS padding, never decoded), in every cache mode, unless it asked to ``ignore_eos``; the step that
-stops it reports the blocks it skipped (each would have cost one forward at least).
+stops it reports the blocks it skipped (each would have cost one forward at least). A request with
+``stop`` strings also stops at the step whose committed prefix (the answer so far, up to the first
+masked position) first holds one of them: its answer ends before that string (``stop_length``), the
+rest of the canvas becomes EOS padding.
+
+Sampling (``services/worker/sampling.py``): a request with a temperature above 0 draws each
+position's candidate with Gumbel noise (after its top-k / top-p cut), keyed by its seed and step
+index, so it draws the same on any instance; the commit rule compares the model's probability of the
+drawn token with the threshold. Greedy requests (temperature 0) take the argmax exactly as before.
+Every committed position records the probability it was committed with (``RequestState.confidences``)
+and, when asked (``num_top_logprobs``), the most likely tokens there: what ``logprobs`` returns.
 
 Packed batches: a forward concatenates its requests' fresh tokens into one sequence (no padding);
 attention knows where each request's rows lie (``services/worker/attention.py``: flash-attn's varlen
@@ -57,7 +67,8 @@ from services.worker.attention import (
 )
 from services.worker.kv_cache import PagedKVCache
 from services.worker.model import DLMForMaskedDiffusion
-from shared.generation import Answer, answer_of, canvas_length
+from services.worker.sampling import MAX_TOP_LOGPROBS, SamplingParams, noise_seed, sample, top_candidates
+from shared.generation import Answer, answer_of, canvas_length, stop_length
 
 
 class EngineError(ValueError):
@@ -87,10 +98,30 @@ class RequestState:
     num_steps: int = 0
     finished: bool = False
     ignore_eos: bool = False  # decode the whole canvas (benchmarks); otherwise stop at the EOS block
+    sampling: SamplingParams = field(default_factory=SamplingParams)  # greedy unless a temperature is set
+    num_top_logprobs: int = 0  # record this many most likely tokens at every committed position
+    stop: tuple[str, ...] = ()  # stop strings: the answer ends before the first one
+    max_tokens: int | None = None  # the answer's cap (stop strings are looked for within it)
+    # canvas position -> the model's probability of the token committed there (0.0: none committed by a step)
+    confidences: list[float] = field(default_factory=list)
+    top_token_ids: list[list[int]] = field(default_factory=list)  # canvas position -> most likely tokens
+    top_probs: list[list[float]] = field(default_factory=list)  # canvas position -> their probabilities
+    stop_length: int | None = None  # answer tokens, once a stop string ended the answer
 
     @property
     def gen_length(self) -> int:
         return len(self.canvas)
+
+    def record_commit(self, position: int, probability: float, top: tuple[list[int], list[float]] | None) -> None:
+        """Remember what ``position`` was committed with (``logprobs``)."""
+        if len(self.confidences) != self.gen_length:
+            self.confidences = (self.confidences + [0.0] * self.gen_length)[: self.gen_length]
+        self.confidences[position] = probability
+        if top is not None:
+            if len(self.top_token_ids) != self.gen_length:
+                self.top_token_ids = (self.top_token_ids + [[] for _ in range(self.gen_length)])[: self.gen_length]
+                self.top_probs = (self.top_probs + [[] for _ in range(self.gen_length)])[: self.gen_length]
+            self.top_token_ids[position], self.top_probs[position] = top
 
     @property
     def num_blocks(self) -> int:
@@ -247,6 +278,10 @@ class DLMEngine:
         block_length: int | None = None,
         cache_mode: CacheMode = CacheMode.DUAL,
         ignore_eos: bool = False,
+        sampling: SamplingParams | None = None,
+        num_top_logprobs: int = 0,
+        stop: tuple[str, ...] | list[str] = (),
+        max_tokens: int | None = None,
     ) -> RequestState:
         gen_length = gen_length or self.default_gen_length
         block_length = block_length or self.default_block_length
@@ -257,8 +292,22 @@ class DLMEngine:
         limit = self.model.config.max_sequence_length
         if len(prompt_ids) + gen_length > limit:
             raise EngineError(f"prompt ({len(prompt_ids)}) plus gen_length ({gen_length}) exceeds {limit} tokens")
-        return RequestState(request_id, list(prompt_ids), [self.mask_id] * gen_length, block_length, cache_mode,
-                            ignore_eos=ignore_eos)
+        state = RequestState(request_id, list(prompt_ids), [self.mask_id] * gen_length, block_length, cache_mode,
+                             ignore_eos=ignore_eos, sampling=sampling or SamplingParams(),
+                             num_top_logprobs=num_top_logprobs, stop=tuple(stop), max_tokens=max_tokens)
+        self._check_options(state)
+        return state
+
+    def _check_options(self, state: RequestState) -> None:
+        try:
+            state.sampling.validate()
+        except ValueError as exc:
+            raise EngineError(f"request {state.request_id}: {exc}") from None
+        if not 0 <= state.num_top_logprobs <= MAX_TOP_LOGPROBS:
+            raise EngineError(f"request {state.request_id}: num_top_logprobs {state.num_top_logprobs} is outside "
+                              f"0..{MAX_TOP_LOGPROBS}")
+        if state.stop and self.tokenizer is None:
+            raise EngineError(f"request {state.request_id}: stop strings need a tokenizer, this engine has none")
 
     def drop(self, request_id: str) -> None:
         """Forget a request's cache (it finished, or moved to another instance); its pages are reused."""
@@ -297,13 +346,15 @@ class DLMEngine:
                 group.sort(key=lambda it: self.kv_cache.extent(it.state.request_id).first_page)
             if group:
                 copied, written = self.kv_cache.bytes_copied, self.kv_cache.bytes_written
-                confidences, tokens = self._forward(group)
+                logits = self._forward(group)
+                confidences, tokens = self._confidences(logits)
                 self.last_step_traffic[kind] = KVTraffic(self.kv_cache.bytes_copied - copied,
                                                          self.kv_cache.bytes_written - written)
                 offset = 0
                 for item in group:
                     rows = slice(offset, offset + item.block_size)
-                    results[item.state.request_id] = self._commit(item, confidences[rows], tokens[rows])
+                    conf, tok, top = self._candidates(item, logits[rows], confidences[rows], tokens[rows])
+                    results[item.state.request_id] = self._commit(item, conf, tok, top)
                     offset += item.block_size
         return [results[state.request_id] for state, _ in batch]
 
@@ -313,6 +364,7 @@ class DLMEngine:
             raise EngineError(f"request {state.request_id} is already finished")
         if not 0.0 <= threshold <= 1.0:
             raise EngineError(f"threshold {threshold} is outside [0, 1]")
+        self._check_options(state)
         kind, block = self.next_step_kind(state), self.current_block(state)
         sequence = state.prompt_ids + state.canvas
         prompt_len = len(state.prompt_ids)
@@ -324,8 +376,8 @@ class DLMEngine:
         window_end = prompt_len + (end if state.cache_mode is CacheMode.DUAL else state.gen_length)
         return _Item(state, threshold, kind, block, window_start, sequence[window_start:window_end], 0)
 
-    def _forward(self, group: list[_Item]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One packed forward; the confidence and token of every item's block positions, in order, on the CPU."""
+    def _forward(self, group: list[_Item]) -> torch.Tensor:
+        """One packed forward; the logits of every item's block positions, in order, on the model's device."""
         device = self.model.device
         segments = Segments(tuple(len(it.fresh_ids) for it in group))
         ids = torch.tensor([t for it in group for t in it.fresh_ids])
@@ -341,7 +393,7 @@ class DLMEngine:
             for it in group:
                 if it.state.cache_mode is not CacheMode.NONE:
                     self._cache_blocks[it.state.request_id] = it.block
-        return self._confidences(logits)
+        return logits
 
     def _attention(self, group: list[_Item], segments: Segments):
         if group[0].kind is StepKind.RECOMPUTE:
@@ -375,8 +427,28 @@ class DLMEngine:
         confidence, tokens = torch.softmax(rows, dim=-1).max(dim=-1)
         return confidence.cpu(), tokens.cpu()
 
-    def _commit(self, item: _Item, block_confidence: torch.Tensor, block_tokens: torch.Tensor) -> StepResult:
-        """Commit ``item``'s masked block positions by the threshold rule, given every block position's top."""
+    def _candidates(self, item: _Item, logits: torch.Tensor, confidence: torch.Tensor, tokens: torch.Tensor):
+        """The candidate token and its probability at each of ``item``'s block positions: the greedy ones
+        given, or drawn (a temperature above 0); and the most likely tokens there when asked for."""
+        state = item.state
+        if state.sampling.greedy and not state.num_top_logprobs:
+            return confidence, tokens, None
+        rows = logits.double()
+        rows[:, self.mask_id] = float("-inf")  # the mask token is never an answer
+        if not state.sampling.greedy:
+            seed = noise_seed(state.sampling.seed, state.request_id, state.num_steps)
+            drawn_conf, drawn = sample(rows, state.sampling, seed)
+            confidence, tokens = drawn_conf.to(confidence.dtype).cpu(), drawn.cpu()
+        top = None
+        if state.num_top_logprobs:
+            ids, probs = top_candidates(rows, state.num_top_logprobs)
+            top = (ids.cpu(), probs.cpu())
+        return confidence, tokens, top
+
+    def _commit(self, item: _Item, block_confidence: torch.Tensor, block_tokens: torch.Tensor,
+                block_top: tuple[torch.Tensor, torch.Tensor] | None = None) -> StepResult:
+        """Commit ``item``'s masked block positions by the threshold rule, given every block position's
+        candidate and its probability (and, when asked for, its most likely tokens)."""
         state = item.state
         start, end = state.block_bounds(item.block)
         masked = [i for i in range(start, end) if state.canvas[i] == self.mask_id]
@@ -385,8 +457,13 @@ class DLMEngine:
         chosen = conf > item.threshold
         chosen[torch.argmax(conf)] = True
         committed = [(masked[j], int(tokens[j])) for j in torch.nonzero(chosen).flatten().tolist()]
-        for pos, tok in committed:
-            state.canvas[pos] = tok
+        for j in torch.nonzero(chosen).flatten().tolist():
+            pos = masked[j]
+            state.canvas[pos] = int(tokens[j])
+            top = None
+            if block_top is not None:
+                top = (block_top[0][pos - start].tolist(), block_top[1][pos - start].tolist())
+            state.record_commit(pos, float(conf[j]), top)
         state.num_steps += 1
         remaining = [float(conf[j]) for j in range(len(masked)) if not chosen[j]]
         skipped = self._finish_if_done(state, start, end)
@@ -397,10 +474,15 @@ class DLMEngine:
         )
 
     def _finish_if_done(self, state: RequestState, block_start: int, block_end: int) -> int:
-        """Finish ``state`` if its canvas is done, or its block completed an EOS; the blocks skipped."""
+        """Finish ``state`` if its canvas is done, its block completed an EOS, or its answer so far holds a
+        stop string; the blocks skipped."""
         block_done = self.mask_id not in state.canvas[block_start:block_end]
         skipped = 0
-        if block_done and self.stops_at_eos(state) and self.eos_id in state.canvas[:block_end]:
+        state.stop_length = self._stopped_at(state)
+        if state.stop_length is not None:
+            skipped = state.num_blocks - 1 - block_start // state.block_length
+            state.canvas[:] = [self.eos_id if t == self.mask_id else t for t in state.canvas]
+        elif block_done and self.stops_at_eos(state) and self.eos_id in state.canvas[:block_end]:
             skipped = state.num_blocks - 1 - block_start // state.block_length
             state.canvas[block_end:] = [self.eos_id] * (state.gen_length - block_end)
         if self.mask_id not in state.canvas:
@@ -408,12 +490,22 @@ class DLMEngine:
             self.drop(state.request_id)
         return skipped
 
+    def _stopped_at(self, state: RequestState) -> int | None:
+        """The answer's length in tokens when its committed prefix holds a stop string, else None."""
+        if not state.stop:
+            return None
+        first_mask = state.canvas.index(self.mask_id) if self.mask_id in state.canvas else state.gen_length
+        so_far = answer_of(state.canvas[:first_mask], self.eos_id, state.max_tokens, not self.stops_at_eos(state))
+        return stop_length(so_far.token_ids, self.decode, state.stop)
+
     def stops_at_eos(self, state: RequestState) -> bool:
         return self.stop_at_eos and not state.ignore_eos
 
     def answer(self, state: RequestState, max_tokens: int | None = None) -> Answer:
-        """The answer of a finished request, cut at ``max_tokens`` (see ``shared.generation``)."""
-        return answer_of(state.canvas, self.eos_id, max_tokens, not self.stops_at_eos(state))
+        """The answer of a finished request, cut at ``max_tokens`` (default: the request's own cap) and
+        before a stop string (see ``shared.generation``)."""
+        cap = state.max_tokens if max_tokens is None else max_tokens
+        return answer_of(state.canvas, self.eos_id, cap, not self.stops_at_eos(state), state.stop_length)
 
     # --- conveniences ---------------------------------------------------------------------------
 
@@ -448,13 +540,17 @@ class DLMEngine:
         on_step: Callable[[str], None] | None = None,
         max_tokens: int | None = None,
         ignore_eos: bool = False,
+        sampling: SamplingParams | None = None,
+        stop: tuple[str, ...] | list[str] = (),
+        request_id: str = "generate",
     ) -> GenerationResult:
         """Denoise one prompt. ``max_tokens`` caps the answer and sets the canvas as a server does
         (rounded up to the block, at most the model's longest canvas) unless ``gen_length`` is given."""
         block_length = block_length or self.default_block_length
         if gen_length is None and max_tokens is not None:
             gen_length = canvas_length(max_tokens, block_length, self.max_gen_length or max_tokens + block_length)
-        state = self.new_request("generate", self.encode(prompt), gen_length, block_length, cache, ignore_eos)
+        state = self.new_request(request_id, self.encode(prompt), gen_length, block_length, cache, ignore_eos,
+                                 sampling, stop=stop, max_tokens=max_tokens)
         kinds, skipped = [], 0
         while not state.finished:
             result = self.step([(state, threshold)])[0]
@@ -462,6 +558,6 @@ class DLMEngine:
             skipped += result.blocks_skipped
             if on_step is not None:
                 on_step(self.tokenizer.decode(state.canvas, stop_at_eos=False).replace("\n", "\\n"))
-        answer = self.answer(state, max_tokens)
+        answer = self.answer(state)
         return GenerationResult(self.decode(answer.token_ids), state.canvas, state.num_steps, kinds,
                                 answer.finish_reason, skipped)
