@@ -110,12 +110,14 @@ PRESETS.register(
     Preset(
         "paper-trace",
         "Paper 5.2 / Fig. 8: 16 GPUs on 4 nodes, reconfiguration over TP {1,2,4}, bursty BurstGPT-like "
-        "arrivals (or --trace CSV), ShareGPT-like lengths; SLO attainment, latency, configuration over time",
+        "arrivals with peaks at 2.5x the mean (or --trace, scaled to each point's mean rate), ShareGPT-like "
+        "lengths (a trace's own), mean rates 0.6-1.5x nominal capacity; SLO attainment, latency, configuration "
+        "over time",
         ClusterSpec(num_nodes=4, gpus_per_node=4, initial_tp=(1,) * 16, reconfigure=True,
                     reconfig_period_s=30.0, reconfig_window_s=30.0, startup_s=3.0),
         WorkloadConfig(arrival="burstgpt-like", lengths="sharegpt-like", num_requests=10**6, duration_s=600.0,
                        period_s=300.0, peak_to_mean=2.5),
-        (Point(0.6, "trace-0.6x"), Point(0.9, "trace-0.9x")),
+        _rate_points((0.6, 0.9, 1.2, 1.5)),
         cache_mode=CacheMode.NONE,
         sample_period_s=5.0,
         quick_overrides={"workload": {"duration_s": 240.0, "period_s": 120.0},

@@ -15,6 +15,112 @@ def _pp(a: dict, b: dict, key: str = "slo_attainment") -> str:
     return f"{100 * (a[key] - b[key]):+.1f}"
 
 
+TRACE_RUNS = (  # (JSON name, short name, what it replays): paper-trace --quick on each workload
+    ("paper-trace-quick", "generator", "the built-in BurstGPT-like generator (quiet spells and peaks of 2.5x the mean)"),
+    ("paper-trace-burstgpt-quick", "BurstGPT sample", "`tests/data/burstgpt_sample.csv` (8 successful requests)"),
+    ("paper-trace-azure-quick", "Azure slice",
+     "`tests/data/AzureLLMInferenceTrace_conv_first10min.csv`, the first 10 minutes of the Azure LLM inference "
+     "conversation trace (2,867 requests, native 4.78 req/s, a nearly steady rate)"),
+)
+BASELINES = ("infaas", "llumnix")
+
+
+def _point(data: dict, label: str, point_label: str) -> dict | None:
+    return next((p for p in data["policies"][label]["points"] if p["label"] == point_label), None)
+
+
+def _moves(point: dict) -> str:
+    applied = [e for e in point.get("reconfigurations", []) if e["applied"]]
+    return str(len(applied))
+
+
+def _signed(value: float, digits: int = 1) -> str:
+    return f"{round(value, digits) + 0.0:+.{digits}f}"  # no "-0.0"
+
+
+def _lead(d: dict, b: dict) -> str:
+    """DiLaServe against one baseline: SLO attainment points, mean latency change, accuracy points."""
+    return (f"{_signed(100 * (d['slo_attainment'] - b['slo_attainment']))} pp / "
+            f"{_signed(100 * (d['mean_latency_s'] / b['mean_latency_s'] - 1))}% / "
+            f"{_signed(100 * (d['accuracy'] - b['accuracy']))}")
+
+
+def above_capacity(runs: dict) -> str:
+    """The paper-trace comparison per workload and load: SLO attainment, latency, accuracy, moves."""
+    out = ["## paper-trace above capacity (the paper's Fig. 8 and Section 5.2)\n",
+           "The paper replays a 2-hour ShareGPT + BurstGPT trace (63,736 requests, its peak of 20 req/s scaled to "
+           "the cluster's capacity) on 16 H100s: DiLaServe +21.1 / +30.2 pp SLO attainment and -34.7 / -46.0% "
+           "latency against INFaaS / Llumnix, at a quality loss of 0.09 on a 0-10 judge score; Fig. 8 shows the "
+           "trace's rate, DiLaServe's configuration and thresholds, and the three systems' SLO attainment over "
+           "time (here: `runs/sim/paper-trace-quick.png` and `runs/sim/paper-trace-azure-quick.png`, at 1.5x). "
+           "`paper-trace --quick` replays each workload at mean rates of 0.6, 0.9, 1.2 and 1.5x the nominal "
+           "capacity. A trace is replayed whole at every point, its timestamps divided by the point's `scale` "
+           "(rate / the trace's native rate, in the trace tables below), so its bursts keep their shape. Only "
+           "DiLaServe reconfigures (the baselines keep 16 TP-1); *moves* counts the plans it applied. Workloads:\n"]
+    out += [f"- **{short}**: {what}." for name, short, what in TRACE_RUNS if runs.get(name)]
+    out += ["",
+            "| workload | point | req/s | requests | SLO % DiLaServe / INFaaS / Llumnix | mean latency s | p99 latency s "
+            "| accuracy % | moves | DiLaServe vs INFaaS: SLO / mean latency / accuracy | vs Llumnix |",
+            "|---|---|---:|---:|---|---|---|---|---:|---|---|"]
+    for name, short, _ in TRACE_RUNS:
+        data = runs.get(name)
+        if not data:
+            continue
+        for d in data["policies"]["dilaserve"]["points"]:
+            others = [_point(data, b, d["label"]) for b in BASELINES]
+            if any(o is None for o in others):
+                continue
+            trio = (d, *others)
+            out.append(
+                f"| {short} | {d['label']} | {d['rps']:.2f} | {d['num_requests']} | "
+                + " / ".join(f"{100 * p['slo_attainment']:.1f}" for p in trio) + " | "
+                + " / ".join(f"{p['mean_latency_s']:.2f}" for p in trio) + " | "
+                + " / ".join(f"{p['p99_latency_s']:.2f}" for p in trio) + " | "
+                + " / ".join(f"{100 * p['accuracy']:.1f}" for p in trio) + f" | {_moves(d)} | "
+                + " | ".join(_lead(d, o) for o in others) + " |")
+    azure = runs.get("paper-trace-azure-quick")
+    top = azure and _point(azure, "dilaserve", "1.5x")
+    if top:
+        leads = [_point(azure, b, "1.5x") for b in BASELINES]
+        slo_ok = all(top["slo_attainment"] - b["slo_attainment"] >= 0.30 for b in leads)
+        lat_ok = all(top["mean_latency_s"] <= 0.54 * b["mean_latency_s"] for b in leads)
+        acc_ok = all(abs(top["accuracy"] - b["accuracy"]) <= 0.01 for b in leads)
+        verdict = "holds" if slo_ok and lat_ok and acc_ok else "does not hold"
+        out.append(
+            f"\nThe acceptance run (`dls compare --preset paper-trace --quick --trace` the Azure slice; at 1.5x at "
+            f"least +30 pp SLO attainment over INFaaS and over Llumnix, mean latency at least 46% lower, accuracy "
+            f"within 1 point) {verdict}: against INFaaS {_lead(top, leads[0])} points, against Llumnix "
+            f"{_lead(top, leads[1])} points.")
+    out.append(
+        "\nWhy the gaps above capacity are larger than the paper's: the baselines admit first come, first served "
+        "and run every step at 0.9, so once the mean rate exceeds what the cluster serves at 0.9 their queue "
+        "grows for the rest of the replay, and their attainment and mean latency depend on how long the replay "
+        "lasts; DiLaServe lowers thresholds (mean threshold in the tables) and keeps its queue bounded. The paper's "
+        "trace peaks at the cluster's capacity, so its bursts overload only briefly; the nearest regime here is "
+        "the generator at 0.6-0.9x, whose peaks reach 1.5-2.25x. The BurstGPT sample holds 8 requests: at any of "
+        "these rates they arrive within a second on 16 instances and never queue, so it shows no difference "
+        "between the policies; it is there to show that BurstGPT files replay at the point's rate."
+        + _reconfiguration_note(runs))
+    return "\n".join(out) + "\n"
+
+
+def _reconfiguration_note(runs: dict) -> str:
+    """What DiLaServe's plans did, where the JSON shows a pattern."""
+    notes = []
+    azure, generator = runs.get("paper-trace-azure-quick"), runs.get("paper-trace-quick")
+    if azure:
+        loaded = [p for p in azure["policies"]["dilaserve"]["points"] if p["rate_mult"] >= 0.9]
+        if loaded and all(_moves(p) == "0" for p in loaded):
+            notes.append("on the nearly steady Azure slice DiLaServe keeps 16 TP-1 from 0.9x on (no plan applied)")
+    if generator:
+        shapes = [e["instances_by_tp"] for p in generator["policies"]["dilaserve"]["points"]
+                  for e in p.get("reconfigurations", []) if e["applied"]]
+        if {"4": 4} in shapes and {"1": 16} in shapes:
+            notes.append("with the generator it moves to 4 TP-4 instances in the quiet spells and back to 16 TP-1 "
+                         "at the peaks (the reconfiguration lines under its table)")
+    return (" Reconfiguration: " + "; ".join(notes) + ".") if notes else ""
+
+
 def narrative(pbq, full, pt_q, abl) -> str:
     """What the numbers say, computed from the JSON where it can be (so it cannot go stale)."""
     out = ["## What the numbers say\n"]
@@ -28,7 +134,7 @@ def narrative(pbq, full, pt_q, abl) -> str:
             f"+40), at {100 * d['accuracy']:.1f}% accuracy against {100 * i['accuracy']:.1f}% "
             f"({_pp(d, i, 'accuracy')} points; the acceptance allows -1.5). The baselines run every step at 0.9 with "
             "FCFS admission, so their queues grow without bound past 1x; DiLaServe's thresholds drop to 0.7-0.8 "
-            "(mean threshold in the tables), which the stage-4 model pays for with about a point of accuracy. Replay vs "
+            "(mean threshold in the tables), which the stage-4 model pays for in accuracy (the difference above). Replay vs "
             f"model in the loop: {fid.get('slo_attainment_gap_pp', float('nan')):.2f} pp SLO attainment, "
             f"{fid.get('mean_latency_gap_pct', float('nan')):.2f}% mean latency at most over the sweep (targets 3 pp / 5%).")
     if full:
@@ -42,25 +148,21 @@ def narrative(pbq, full, pt_q, abl) -> str:
                      "model makes steep (15 and 29 points on its own curve), which is what the quality budget keeps out")
         out.append(line + ".")
     if pt_q:
-        lines = []
-        for point in range(len(pt_q["policies"]["dilaserve"]["points"])):
-            a, b, c = (pt(pt_q, name, point) for name in ("dilaserve", "infaas", "llumnix"))
-            lines.append(f"at {a['label']} DiLaServe {100 * a['slo_attainment']:.1f}% / {a['mean_latency_s']:.2f} s mean "
-                         f"latency, INFaaS {100 * b['slo_attainment']:.1f}% / {b['mean_latency_s']:.2f} s, Llumnix "
-                         f"{100 * c['slo_attainment']:.1f}% / {c['mean_latency_s']:.2f} s")
         points = range(len(pt_q["policies"]["dilaserve"]["points"]))
         leads = all(
             pt(pt_q, "dilaserve", i)["slo_attainment"] >= pt(pt_q, other, i)["slo_attainment"]
             and pt(pt_q, "dilaserve", i)["mean_latency_s"] < pt(pt_q, other, i)["mean_latency_s"]
             for i in points for other in ("infaas", "llumnix"))
-        verdict = ("At every load DiLaServe is at or above both baselines in SLO attainment and below them in "
+        verdict = ("at every load DiLaServe is at or above both baselines in SLO attainment and below them in "
                    "mean latency" if leads else "DiLaServe does not lead both baselines at every load")
-        out.append("- **paper-trace (quick).** " + "; ".join(lines) + ". The reconfigurator moves DiLaServe's "
-                   "cluster to fewer, larger TP instances in the quiet phases and back to TP-1 at the peaks (the "
-                   f"reconfiguration lines under the table). {verdict}. Plans roll out one node at a time "
-                   "(`PlacementPlan.waves`, as the live reconfigurator publishes them): applied to every node at "
-                   "once, a quiet-to-peak switch drained the whole cluster at a burst's onset and DiLaServe "
-                   "trailed the baselines at the lower load (97.8% vs 100%, docs/notes.md).")
+        top = pt(pt_q, "dilaserve")
+        out.append(f"- **paper-trace (quick).** Mean rates 0.6-1.5x the nominal capacity on the BurstGPT-like "
+                   f"generator, the BurstGPT sample and the Azure slice: the section below. On the generator: "
+                   f"{verdict}; at {top['label']} DiLaServe {100 * top['slo_attainment']:.1f}% against "
+                   f"{100 * pt(pt_q, 'infaas')['slo_attainment']:.1f}% / {100 * pt(pt_q, 'llumnix')['slo_attainment']:.1f}%. "
+                   "Plans roll out one node at a time (`PlacementPlan.waves`, as the live reconfigurator publishes "
+                   "them): applied to every node at once, a quiet-to-peak switch drained the whole cluster at a "
+                   "burst's onset and DiLaServe trailed the baselines at the lower load (97.8% vs 100%, docs/notes.md).")
     if abl:
         f_, s_, dl = pt(abl, "fixed-0.9"), pt(abl, "dilaserve-no-loadctl"), pt(abl, "dilaserve")
         gain = 100 * (dl["slo_attainment"] - s_["slo_attainment"])
@@ -104,8 +206,9 @@ def main() -> None:
       "multiples of it; each bundled-model step is timed as ~10 LLaDA-8B steps.\n")
     w("## Commands\n\n```\n" + open("sim/run_results.sh").read().split("set -x\n")[1] + "```\n")
     w("Figures: `runs/sim/paper-bench-quick.png`, `runs/sim/paper-bench.png` (Fig. 9 style: SLO attainment, "
-      "accuracy and mean threshold against request rate), `runs/sim/paper-trace-quick.png` (Fig. 8 style: "
-      "arrivals, DiLaServe's configuration, thresholds and SLO attainment over time), "
+      "accuracy and mean threshold against request rate), `runs/sim/paper-trace-quick.png` and "
+      "`runs/sim/paper-trace-azure-quick.png` (Fig. 8 style, at the 1.5x point: arrivals, DiLaServe's configuration, "
+      "thresholds and SLO attainment over time), "
       "`runs/sim/ablation-threshold-quick.png` (Fig. 10 style). The figures and JSON files are run outputs "
       "(not committed); regenerate them with the commands above.\n")
     # side by side
@@ -123,10 +226,25 @@ def main() -> None:
         d2, i2, l2 = pt(full, "dilaserve"), pt(full, "infaas"), pt(full, "llumnix")
         w(f"| same, full paper-bench (4,000 requests per point) | +55 / +56.6 pp, 0.7 / 0.9 % | +{100*(d2['slo_attainment']-i2['slo_attainment']):.1f} / +{100*(d2['slo_attainment']-l2['slo_attainment']):.1f} pp, accuracy -{100*(i2['accuracy']-d2['accuracy']):.1f} / -{100*(l2['accuracy']-d2['accuracy']):.1f} points |")
     pt_q = load("paper-trace-quick")
-    if pt_q:
-        a, b, c = pt(pt_q, "dilaserve"), pt(pt_q, "infaas"), pt(pt_q, "llumnix")
-        w(f"| real trace: SLO attainment vs INFaaS / Llumnix | +21.1 / +30.2 pp | +{100*(a['slo_attainment']-b['slo_attainment']):.1f} / +{100*(a['slo_attainment']-c['slo_attainment']):.1f} pp (BurstGPT-like, mean 0.9x capacity) |")
-        w(f"| real trace: latency vs INFaaS / Llumnix | -34.7 / -46.0 % | {100*(a['mean_latency_s']/b['mean_latency_s']-1):.1f} / {100*(a['mean_latency_s']/c['mean_latency_s']-1):.1f} % mean latency |")
+    runs = {name: load(name) for name, _, _ in TRACE_RUNS}
+    trace_cells = {"slo": [], "latency": [], "quality": []}
+    for name, what, point_label in (("paper-trace-azure-quick", "Azure slice", "1.5x"),
+                                    ("paper-trace-quick", "generator", "1.5x"),
+                                    ("paper-trace-quick", "generator", "0.9x")):
+        a = runs[name] and _point(runs[name], "dilaserve", point_label)
+        if not a:
+            continue
+        b, c = _point(runs[name], "infaas", point_label), _point(runs[name], "llumnix", point_label)
+        where = f"{what} at {point_label}"
+        trace_cells["slo"].append(f"{_pp(a, b)} / {_pp(a, c)} pp ({where})")
+        trace_cells["latency"].append(f"{100*(a['mean_latency_s']/b['mean_latency_s']-1):.1f} / "
+                                      f"{100*(a['mean_latency_s']/c['mean_latency_s']-1):.1f} % ({where})")
+        trace_cells["quality"].append(f"{_signed(100 * (a['accuracy'] - b['accuracy']))} / "
+                                      f"{_signed(100 * (a['accuracy'] - c['accuracy']))} points of accuracy ({where})")
+    if trace_cells["slo"]:
+        w(f"| trace: SLO attainment vs INFaaS / Llumnix | +21.1 / +30.2 pp | {'; '.join(trace_cells['slo'])} (paper-trace quick; below) |")
+        w(f"| trace: mean latency vs INFaaS / Llumnix | -34.7 / -46.0 % | {'; '.join(trace_cells['latency'])} |")
+        w(f"| trace: quality vs INFaaS / Llumnix | -0.09 (judge score, 0-10) | {'; '.join(trace_cells['quality'])} |")
     abl = load("ablation-threshold-quick")
     if abl:
         f_, s_, dl = pt(abl, "fixed-0.9"), pt(abl, "dilaserve-no-loadctl"), pt(abl, "dilaserve")
@@ -134,8 +252,9 @@ def main() -> None:
         w(f"| + load control | +42.4 pp | {100*(dl['slo_attainment']-s_['slo_attainment']):+.1f} pp at 2x (quick) |")
     w("")
     w(narrative(pbq, full, pt_q, abl))
+    w(above_capacity(runs))
     w("## Tables\n")
-    for name in ("paper-bench-quick", "paper-bench", "paper-trace-quick", "ablation-threshold-quick",
+    for name in ("paper-bench-quick", "paper-bench", *(n for n, _, _ in TRACE_RUNS), "ablation-threshold-quick",
                  "ablation-predictor-quick", "ablation-migration-quick", "ablation-cache-quick", "sweep-input-quick"):
         data = load(name)
         if data:

@@ -4,6 +4,8 @@ set -x
 D=runs/sim
 /usr/bin/time -f "wall %e s" nice -n 10 .venv/bin/dls compare --preset paper-bench --quick --json $D/paper-bench-quick.json --plot $D/paper-bench-quick.png > $D/paper-bench-quick.txt 2>&1
 nice -n 10 .venv/bin/dls compare --preset paper-trace --quick --json $D/paper-trace-quick.json --plot $D/paper-trace-quick.png > $D/paper-trace-quick.txt 2>&1
+nice -n 10 .venv/bin/dls compare --preset paper-trace --quick --trace tests/data/burstgpt_sample.csv --json $D/paper-trace-burstgpt-quick.json > $D/paper-trace-burstgpt-quick.txt 2>&1
+nice -n 10 .venv/bin/dls compare --preset paper-trace --quick --trace tests/data/AzureLLMInferenceTrace_conv_first10min.csv --json $D/paper-trace-azure-quick.json --plot $D/paper-trace-azure-quick.png > $D/paper-trace-azure-quick.txt 2>&1
 nice -n 10 .venv/bin/dls compare --preset ablation-threshold --quick --json $D/ablation-threshold-quick.json --plot $D/ablation-threshold-quick.png > $D/ablation-threshold-quick.txt 2>&1
 nice -n 10 .venv/bin/dls compare --preset paper-bench --no-fidelity --policies dilaserve,infaas,llumnix,dilaserve-all-thresholds --json $D/paper-bench.json --plot $D/paper-bench.png > $D/paper-bench.txt 2>&1
 for P in ablation-predictor ablation-migration ablation-cache sweep-input; do
