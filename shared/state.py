@@ -67,8 +67,8 @@ class RequestRecord(msgspec.Struct, frozen=True, kw_only=True):
     """A request's durable state. Change it with ``msgspec.structs.replace`` and ``save`` it."""
 
     def answer(self, eos_id: int | None) -> Answer:
-        """The answer of a finished canvas: up to the first EOS, cut at ``max_tokens``."""
-        return answer_of(self.canvas, eos_id, self.max_tokens, self.ignore_eos)
+        """The answer of a finished canvas: up to the first EOS, cut at ``max_tokens``, ended before a stop string."""
+        return answer_of(self.canvas, eos_id, self.max_tokens, self.ignore_eos, self.stop_length)
 
     request_id: str  # the request
     version: int = 0  # stored version this copy was read at (0: never stored)
@@ -91,7 +91,16 @@ class RequestRecord(msgspec.Struct, frozen=True, kw_only=True):
     priority: int = 0  # larger is more important
     min_threshold: float = 0.0  # quality floor
     max_threshold: float = 1.0  # threshold ceiling
-    seed: int | None = None  # sampling seed
+    seed: int | None = None  # sampling seed (None: the request id keys the noise)
+    temperature: float = 0.0  # sampling temperature; 0: greedy
+    top_p: float = 1.0  # nucleus sampling mass; 1: no cut
+    top_k: int = 0  # sample among the k most likely tokens; 0: all
+    logprobs: int | None = None  # None: no log probabilities asked for; k: with k alternatives per token
+    stop: list[str] = []  # stop strings
+    stop_length: int | None = None  # answer tokens, once a stop string ended the answer
+    confidences: list[float] = []  # canvas position -> probability of the token committed there (0.0: none yet)
+    top_token_ids: list[list[int]] = []  # canvas position -> its most likely tokens (logprobs > 0 only)
+    top_probs: list[list[float]] = []  # canvas position -> their probabilities
     stream: bool = False  # the client wants a progress event per step
     last_instance_id: str | None = None  # instance that ran the last step (holds a local copy and KV cache)
     instance_history: list[str] = []  # instances it ran on, in order of first visit

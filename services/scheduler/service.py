@@ -353,9 +353,12 @@ class SchedulerService:
             request_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids or []),
             canvas=[self.mask_token_id] * request.gen_length, mask_token_id=self.mask_token_id,
             gen_length=request.gen_length, block_length=request.block_length, cache_mode=request.cache_mode,
-            max_tokens=request.max_tokens, ignore_eos=request.ignore_eos, arrival_time=request.arrival_time, deadline=request.deadline, slo_ms=request.slo_ms,
+            max_tokens=request.max_tokens, ignore_eos=request.ignore_eos, arrival_time=request.arrival_time,
+            deadline=request.deadline, slo_ms=request.slo_ms,
             priority=request.priority, min_threshold=request.min_threshold, max_threshold=request.max_threshold,
-            seed=request.seed, stream=request.stream, model=request.model or "", owner=request.owner,
+            seed=request.seed, temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
+            logprobs=request.logprobs, stop=list(request.stop),
+            stream=request.stream, model=request.model or "", owner=request.owner,
             trace_context=trace_context,
         )
 
@@ -1135,6 +1138,10 @@ def _invalid(request: CompletionRequest) -> str:
         return "gen_length and block_length must be positive"
     if request.slo_ms <= 0:
         return "slo_ms must be positive"
+    if not request.temperature >= 0 or not 0 < request.top_p <= 1:
+        return "temperature must be >= 0 and top_p in (0, 1]"
+    if request.logprobs is not None and not 0 <= request.logprobs <= 20:
+        return "logprobs must be in 0..20"
     return ""
 
 

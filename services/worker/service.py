@@ -38,12 +38,12 @@ import msgspec
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
-from shared.generation import answer_of
+from shared.generation import answer_of, stream_release
 from shared.messages import codec
 from shared.messages.base import ConfidenceStats as WireConfidence
 from shared.messages.base import StepKind as WireStepKind
 from shared.messages.control import WorkerHeartbeat, WorkerStatus
-from shared.messages.events import RequestFinished, RequestProgress, Usage
+from shared.messages.events import RequestFinished, RequestProgress, TokenLogprobs, Usage
 from shared.messages.steps import RequestStepResult, StepCommand, StepFailure, StepItem, StepResults
 from shared.metrics import WorkerMetrics, serve_metrics
 from shared.profiles import LatencyProfile
@@ -384,6 +384,7 @@ class WorkerService:
                 finished=outcome.finished, num_steps=stored.num_steps, num_masked=outcome.num_masked,
                 confidence=_wire_confidence(outcome.confidence), threshold=item.threshold,
                 state_version=stored.version, blocks_skipped=outcome.blocks_skipped,
+                num_answer_tokens=len(stored.answer(self.engine.eos_id).token_ids) if outcome.finished else 0,
             ))
             self._trace_request_step(stored, item, outcome, len(batch), item.request_id in loaded, started,
                                      duration)
@@ -453,10 +454,15 @@ class WorkerService:
 
     def _state_of(self, record: RequestRecord):
         from services.worker.engine import CacheMode, RequestState
+        from services.worker.sampling import SamplingParams
 
         return RequestState(
             record.request_id, list(record.prompt_token_ids), list(record.canvas), record.block_length,
             CacheMode(record.cache_mode.value), num_steps=record.num_steps, ignore_eos=record.ignore_eos,
+            sampling=SamplingParams(record.temperature, record.top_p, record.top_k, record.seed),
+            num_top_logprobs=record.logprobs or 0, stop=tuple(record.stop), max_tokens=record.max_tokens,
+            confidences=list(record.confidences), top_token_ids=[list(ids) for ids in record.top_token_ids],
+            top_probs=[list(probs) for probs in record.top_probs], stop_length=record.stop_length,
         )
 
     def _advance(self, record: RequestRecord, outcome, item: StepItem, now: float) -> RequestRecord:
@@ -472,10 +478,14 @@ class WorkerService:
             threshold_history=[*record.threshold_history, item.threshold], last_instance_id=self.instance_id,
             instance_history=history, num_migrations=record.num_migrations + int(moved),
             num_recompute_steps=record.num_recompute_steps + int(int(outcome.kind) == int(WireStepKind.RECOMPUTE)),
-            status=RequestStatus.RUNNING,
+            status=RequestStatus.RUNNING, confidences=list(state.confidences), stop_length=state.stop_length,
         )
+        if record.logprobs:
+            changes.update(top_token_ids=[list(ids) for ids in state.top_token_ids],
+                           top_probs=[list(probs) for probs in state.top_probs])
         if outcome.finished:
-            answer = answer_of(state.canvas, self.engine.eos_id, record.max_tokens, record.ignore_eos)
+            answer = answer_of(state.canvas, self.engine.eos_id, record.max_tokens, record.ignore_eos,
+                               state.stop_length)
             changes.update(status=RequestStatus.FINISHED, finished_at=now, finish_reason=answer.finish_reason)
         return msgspec.structs.replace(record, **changes)
 
@@ -502,17 +512,15 @@ class WorkerService:
         subject = self.subjects.events(record.request_id)
         limit = self.settings.max_payload_bytes
         if record.stream:
-            delta = ""
+            delta, delta_ids, logprobs = "", [], None
             if block_done or outcome.finished:
-                start, end = local.state.block_bounds(outcome.block_index)
-                cap = record.gen_length if record.max_tokens is None else record.max_tokens  # the answer's cap
-                delta = self._text(record.canvas[:min(end, cap)])[len(self._text(record.canvas[:min(start, cap)])):]
+                delta, delta_ids, logprobs = self._stream_delta(record, local.state, outcome)
             progress = RequestProgress(
                 request_id=record.request_id, seq=record.num_steps + 1, num_steps=record.num_steps,
                 block_index=outcome.block_index, committed_positions=list(outcome.committed_positions),
                 committed_token_ids=list(outcome.committed_token_ids), num_committed=record.num_committed,
                 gen_length=record.gen_length, text_delta=delta, threshold=item.threshold,
-                instance_id=self.instance_id,
+                instance_id=self.instance_id, delta_token_ids=delta_ids, logprobs=logprobs,
             )
             await self.nc.publish(subject, codec.encode(progress, limit))
         if outcome.finished:
@@ -528,11 +536,41 @@ class WorkerService:
             finished = RequestFinished(
                 request_id=record.request_id, seq=record.num_steps + 2, text=self._text(tokens),
                 token_ids=tokens, finish_reason=record.finish_reason or "stop", usage=usage,
+                logprobs=token_logprobs(record, 0, len(tokens)),
             )
             await self.nc.publish(subject, codec.encode(finished, limit))
 
+    def _stream_delta(self, record: RequestRecord, state, outcome) -> tuple[str, list[int], TokenLogprobs | None]:
+        """The text a stream gets at this step (its block done, or the request finished): the answer's
+        tokens in the canvas up to the block's end, less what the step that completed the block before
+        released, less (until the end) the last tokens a stop string could still take back."""
+        start, end = state.block_bounds(outcome.block_index)
+        eos = self.engine.eos_id
+        if outcome.finished:
+            tokens = record.answer(eos).token_ids
+        else:
+            tokens = answer_of(record.canvas[:end], eos, record.max_tokens, record.ignore_eos).token_ids
+        before = answer_of(record.canvas[:start], eos, record.max_tokens, record.ignore_eos).token_ids
+        released_before = stream_release(len(before), record.stop, finished=False)
+        released = max(stream_release(len(tokens), record.stop, outcome.finished), released_before)
+        text = self._text(tokens[:released])[len(self._text(tokens[:released_before])):]
+        return text, tokens[released_before:released], token_logprobs(record, released_before, released)
+
     def _text(self, ids: list[int]) -> str:
         return self.engine.decode([i for i in ids if i != self.engine.mask_id])
+
+
+def token_logprobs(record: RequestRecord, first: int, end: int) -> TokenLogprobs | None:
+    """What the answer tokens at canvas positions ``first`` .. ``end`` - 1 were committed with, when the
+    request asked for logprobs (None otherwise)."""
+    if record.logprobs is None:
+        return None
+    probs = [*record.confidences, *[0.0] * record.gen_length][first:end]
+    top_ids, top_probs = [], []
+    if record.logprobs:
+        top_ids = [*record.top_token_ids, *[[]] * record.gen_length][first:end]
+        top_probs = [*record.top_probs, *[[]] * record.gen_length][first:end]
+    return TokenLogprobs(probs=probs, top_token_ids=top_ids, top_probs=top_probs)
 
 
 def worker_clock(offset_s: float) -> Callable[[], float]:

@@ -34,6 +34,16 @@ class RequestAccepted(Message, kw_only=True):
     deadline: float  # unix time (s) the request should finish by
 
 
+class TokenLogprobs(Part, kw_only=True):
+    """Per answer token (the ``token_ids`` it goes with, in order): the probability the model committed
+    it with (its confidence when the step committed it; ``log`` of it is the logprob) and, when asked
+    for, the most likely tokens at that position in that step."""
+
+    probs: list[float]  # probability of each token, when it was committed
+    top_token_ids: list[list[int]] = []  # per token: the most likely tokens there (empty: not asked for)
+    top_probs: list[list[float]] = []  # per token: their probabilities, in the same order
+
+
 class RequestProgress(Message, kw_only=True):
     """A step committed tokens (sent only for streaming requests)."""
 
@@ -48,6 +58,8 @@ class RequestProgress(Message, kw_only=True):
     text_delta: str = ""  # text of blocks completed by this step, in order (what SSE streams)
     threshold: float  # the threshold the step ran at
     instance_id: str  # the instance that ran the step
+    delta_token_ids: list[int] = []  # the answer tokens whose text is text_delta
+    logprobs: TokenLogprobs | None = None  # of delta_token_ids, when the request asked for logprobs
 
 
 class Usage(Part, kw_only=True):
@@ -75,8 +87,9 @@ class RequestFinished(Message, kw_only=True):
     seq: int  # order among this request's events (see the module docstring)
     text: str  # the generated text, up to EOS
     token_ids: list[int]  # the generated tokens, up to EOS
-    finish_reason: str = "stop"  # "stop" (EOS) or "length" (the canvas filled up)
+    finish_reason: str = "stop"  # "stop" (EOS or a stop string) or "length" (the cap, or the canvas filled up)
     usage: Usage  # steps, thresholds, instances, SLO
+    logprobs: TokenLogprobs | None = None  # of token_ids, when the request asked for logprobs
 
 
 class RequestFailed(Message, kw_only=True):

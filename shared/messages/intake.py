@@ -24,7 +24,12 @@ class CompletionRequest(Message, kw_only=True):
     min_threshold: float = 0.0  # quality floor: no step runs below this confidence threshold
     max_threshold: float = 1.0  # ceiling on the threshold (a client that prefers speed)
     priority: int = 0  # larger is more important (load control protects high priorities)
-    seed: int | None = None  # sampling seed, for reproducible outputs; None: the engine's default
+    seed: int | None = None  # sampling seed (the noise key with the step index); None: the request id keys it
+    temperature: float = 0.0  # sampling temperature; 0: greedy (argmax)
+    top_p: float = 1.0  # nucleus sampling: the smallest set of tokens reaching this probability; 1: all
+    top_k: int = 0  # sample among the k most likely tokens; 0: all
+    logprobs: int | None = None  # None: no log probabilities; k: each answer token's, and its k likeliest rivals'
+    stop: list[str] = []  # stop strings: the answer ends before the first one (finish_reason "stop")
     arrival_time: float  # unix time (s) the gateway accepted the request; the deadline is arrival + SLO
     stream: bool = False  # publish a progress event per step (SSE clients); False: only the final event
     model: str | None = None  # the model asked for; None: the served model

@@ -70,6 +70,7 @@ class RequestStepResult(Part, kw_only=True):
     threshold: float  # the threshold the step ran at
     state_version: int  # version of the request's Redis state after the worker's write
     blocks_skipped: int = 0  # blocks left undecoded because this step completed one holding an EOS
+    num_answer_tokens: int = 0  # finished: the answer's tokens (generation-token metrics); else 0
 
 
 class StepResults(Message, kw_only=True):

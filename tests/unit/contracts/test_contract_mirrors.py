@@ -61,11 +61,13 @@ def test_same_fields_as_the_core(struct, path, core):
     assert fields(struct) == core_fields(path, core)
 
 
-def test_step_result_has_the_engine_fields_plus_block_done_and_the_state_version():
+def test_step_result_has_the_engine_fields_plus_block_done_the_state_version_and_the_answer_length():
     # masked_confidences (every masked position's probability) stays in the process: the simulator's
-    # replay calibration reads it; on the wire the confidence statistics stand for it
+    # replay calibration reads it; on the wire the confidence statistics stand for it. The answer's
+    # length at finish (the scheduler's generation-token metrics) needs the request's cap and stop
+    # strings, which the worker has and the engine's result does not
     engine_fields = core_fields(ENGINE, "StepResult") - {"masked_confidences"}
-    assert fields(RequestStepResult) == engine_fields | {"block_done", "state_version"}
+    assert fields(RequestStepResult) == engine_fields | {"block_done", "state_version", "num_answer_tokens"}
 
 
 def test_instance_slot_is_the_planner_instance_without_its_node():
