@@ -38,8 +38,9 @@ class SloEstimator:
               cache_mode: CacheMode) -> tuple[float, float]:
         """Predicted (recompute, cache) steps of the whole request at the reference threshold.
 
-        Every block needs at least one step, and with a cache each block starts with a recompute, so
-        the prediction is raised to those bounds (the trees do not extrapolate past trained lengths).
+        The answer needs one block at least (a recompute step with a cache), and at most every block
+        of the canvas (it stops at the block that completes its EOS), so the prediction is kept within
+        those bounds (the trees do not extrapolate past trained lengths).
         """
         from services.predictor.adapters import PredictionQuery
 
@@ -50,8 +51,8 @@ class SloEstimator:
         recompute, cache = prediction.threshold_to_steps[REFERENCE_THRESHOLD]
         num_blocks = math.ceil(gen_length / block_length)
         if not uses_cache:
-            return max(recompute + cache, num_blocks), 0.0
-        recompute = max(recompute, num_blocks)
+            return max(recompute + cache, 1.0), 0.0
+        recompute = min(max(recompute, 1.0), num_blocks)
         return recompute, max(cache, 0.0)
 
     def isolated_latency_s(self, prompt_length: int, gen_length: int, block_length: int,

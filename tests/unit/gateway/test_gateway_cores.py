@@ -162,11 +162,15 @@ def test_default_slo_is_factor_times_isolated_latency_with_a_floor():
     assert SloEstimator(predictor, PROFILE, 5.0, floor_ms=1000.0).default_slo_ms(10, 16, 8, CacheMode.DUAL) == 1000.0
 
 
-def test_default_slo_without_cache_uses_full_steps_and_blocks_bound_the_steps():
+def test_default_slo_without_cache_uses_full_steps_and_blocks_bound_the_recompute_steps():
     estimator = SloEstimator(FixedPredictor(recompute=3.0, cache=0.0), PROFILE, factor=1.0, floor_ms=0.0)
     assert estimator.default_slo_ms(10, 16, 8, CacheMode.NONE) == pytest.approx(90.0)  # 3 x 30 ms
-    # 64 tokens in blocks of 8 need at least 8 steps, each block starting with a recompute.
-    assert estimator.steps(10, 64, 8, CacheMode.DUAL) == (8, 0.0)
+    # answers stop at their EOS block: the predicted 3 recompute steps stand on a 64-token canvas ...
+    assert estimator.steps(10, 64, 8, CacheMode.DUAL) == (3.0, 0.0)
+    # ... kept within one block and every block of the canvas
+    assert estimator.steps(10, 16, 8, CacheMode.DUAL) == (2, 0.0)
+    assert SloEstimator(FixedPredictor(recompute=0.2, cache=1.0), PROFILE, 1.0, 0.0).steps(10, 64, 8, CacheMode.DUAL) \
+        == (1.0, 1.0)
 
 
 def test_the_highest_candidate_threshold_is_asked_for():
