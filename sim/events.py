@@ -1,4 +1,4 @@
-"""The simulator's event queue: an explicit ``(time, priority, seq)`` order.
+"""The simulator's event kinds, in the scheduler core's event queue: an explicit ``(time, kind, seq)`` order.
 
 At equal times, events run in ``SimEvent`` order; it extends the scheduler core's order
 (``services.scheduler.core.events``: step results, predictions, instance changes, arrivals, ticks)
@@ -20,10 +20,11 @@ Among events of one kind and time, the one pushed first runs first (``seq``). Co
 
 from __future__ import annotations
 
-import heapq
-from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any, NamedTuple
+
+from services.scheduler.core.events import Event, EventQueue
+
+__all__ = ["Event", "EventQueue", "SimEvent"]
 
 
 class SimEvent(IntEnum):
@@ -36,49 +37,3 @@ class SimEvent(IntEnum):
     ARRIVAL = 6
     STEP_START = 7
     SAMPLE = 8
-
-
-class EventKey(NamedTuple):
-    time: float
-    priority: SimEvent
-    seq: int
-
-
-@dataclass(order=True, slots=True)
-class Event:
-    key: EventKey
-    payload: Any = field(compare=False, default=None)
-
-    @property
-    def time(self) -> float:
-        return self.key.time
-
-    @property
-    def kind(self) -> SimEvent:
-        return self.key.priority
-
-
-class EventQueue:
-    """A heap of events in ``(time, priority, seq)`` order; ``seq`` counts pushes."""
-
-    def __init__(self) -> None:
-        self._heap: list[Event] = []
-        self._num_pushed = 0
-
-    def push(self, time: float, kind: SimEvent, payload: Any = None) -> Event:
-        event = Event(EventKey(float(time), kind, self._num_pushed), payload)
-        self._num_pushed += 1
-        heapq.heappush(self._heap, event)
-        return event
-
-    def pop(self) -> Event:
-        return heapq.heappop(self._heap)
-
-    def peek_time(self) -> float:
-        return self._heap[0].key.time
-
-    def __len__(self) -> int:
-        return len(self._heap)
-
-    def __bool__(self) -> bool:
-        return bool(self._heap)
