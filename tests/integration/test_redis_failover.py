@@ -52,14 +52,16 @@ def test_a_write_no_replica_confirms_is_not_reported_done(replicated, unique_pre
     raises ReplicationError (a connection error callers retry) instead of returning it as done."""
     async def main():
         store = RedisStateStore.from_url(f"{replicated.url}?wait_replicas=3&wait_timeout_ms=200", unique_prefix)
+        retrying = RedisStateStore.from_url(replicated.url, unique_prefix)
         try:
             with pytest.raises(ReplicationError, match="reached 2 of 3 replica"):
                 await store.create(make_record("r1"))
             assert store.num_unreplicated == 1
             with pytest.raises(RequestExistsError):  # the retry finds what the primary kept
-                await RedisStateStore.from_url(replicated.url, unique_prefix).create(make_record("r1"))
+                await retrying.create(make_record("r1"))
         finally:
             await store.close()
+            await retrying.close()
 
     asyncio.run(main())
 
