@@ -20,6 +20,13 @@ Names (``docs/architecture.md``, "Observability"):
 - worker (label ``instance``): ``dls_worker_steps_total`` (batched forwards), ``dls_worker_batch_size``,
   ``dls_worker_step_seconds``, ``dls_worker_tokens_committed_total``, ``dls_worker_state_loads_total``,
   ``dls_worker_resident_requests``, ``dls_malformed_messages_total``;
+- serving (vLLM's set, label ``model_name``; ``docs/architecture.md`` maps each to its vLLM name):
+  scheduler ``dls_time_to_first_token_seconds``, ``dls_inter_token_latency_seconds``,
+  ``dls_request_time_per_output_token_seconds``, ``dls_e2e_request_latency_seconds``,
+  ``dls_prompt_tokens_total``, ``dls_generation_tokens_total``, ``dls_num_requests_running``,
+  ``dls_num_requests_waiting``; worker ``dls_tokens_per_forward``; gateway (what HTTP clients see)
+  ``dls_gateway_time_to_first_token_seconds``, ``dls_gateway_inter_token_latency_seconds``,
+  ``dls_gateway_e2e_request_latency_seconds``;
 - gateway: ``dls_gateway_http_requests_total{route,status}``, ``dls_gateway_http_request_seconds{route}``;
 - predictor: ``dls_predictor_queries_total``, ``dls_predictor_batch_size``; reconfigurator:
   ``dls_reconfigurator_plans_total``; node agent: ``dls_node_agent_workers``,
@@ -54,6 +61,15 @@ STEP_BUCKETS_S = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 THRESHOLD_BUCKETS = (0.5, 0.55, 0.6, 0.65, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95, 1.0)
 ERROR_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 2, 5)
+# vLLM's buckets for TTFT, inter-token latency / TPOT and end-to-end latency (vllm/v1/metrics/loggers.py)
+TTFT_BUCKETS_S = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                  20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                 40.0, 80.0)
+E2E_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                 480.0, 960.0, 1920.0, 7680.0)
+TOKENS_PER_FORWARD_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128)
+MODEL_LABEL = "model_name"  # vLLM's label for the served model on every serving metric
 LOOP_STALL_S = 60.0  # /health fails once the service's event loop has not turned for this long
 
 
@@ -180,6 +196,16 @@ class SchedulerMetrics:
             "dls_scheduler_predictor_error", "|predicted - actual| / actual remaining steps, measured at finish",
             buckets=ERROR_BUCKETS, registry=r)
         self.malformed = _malformed(r)
+        serving = ServingMetrics(r)
+        self.ttft, self.itl, self.tpot, self.e2e = serving.ttft, serving.itl, serving.tpot, serving.e2e
+        self.prompt_tokens = Counter("dls_prompt_tokens", "prompt tokens of admitted requests", [MODEL_LABEL],
+                                     registry=r)
+        self.generation_tokens = Counter("dls_generation_tokens", "answer tokens of finished requests",
+                                         [MODEL_LABEL], registry=r)
+        self.running = Gauge("dls_num_requests_running", "admitted requests placed on an instance",
+                             [MODEL_LABEL], registry=r)
+        self.waiting = Gauge("dls_num_requests_waiting", "admitted requests waiting for an instance",
+                             [MODEL_LABEL], registry=r)
 
     def set_instances(self, tp_to_count: dict[int, int]) -> None:
         """Live instances per TP degree (degrees seen before and now gone read 0)."""
@@ -189,11 +215,32 @@ class SchedulerMetrics:
             self.instances.labels(tp=str(tp)).set(count)
 
 
+class ServingMetrics:
+    """TTFT, inter-token latency, time per output token and end-to-end latency (label ``model_name``),
+    as vLLM names them, under a prefix (``dls`` for the scheduler's view, ``dls_gateway`` for what HTTP
+    clients see)."""
+
+    def __init__(self, registry: CollectorRegistry, prefix: str = "dls", what: str = "") -> None:
+        self.ttft = Histogram(f"{prefix}_time_to_first_token_seconds", f"arrival to the first committed block of "
+                              f"the answer{what}", [MODEL_LABEL], buckets=TTFT_BUCKETS_S, registry=registry)
+        self.itl = Histogram(f"{prefix}_inter_token_latency_seconds", f"gap between two committed blocks of an "
+                             f"answer (a stream's chunks){what}", [MODEL_LABEL], buckets=ITL_BUCKETS_S,
+                             registry=registry)
+        self.tpot = Histogram(f"{prefix}_request_time_per_output_token_seconds", f"(end to end - TTFT) / (answer "
+                              f"tokens - 1) per request{what}", [MODEL_LABEL], buckets=ITL_BUCKETS_S,
+                              registry=registry)
+        self.e2e = Histogram(f"{prefix}_e2e_request_latency_seconds", f"arrival to the answer{what}", [MODEL_LABEL],
+                             buckets=E2E_BUCKETS_S, registry=registry)
+
+
 class WorkerMetrics:
     """One instance's numbers (label ``instance``: its id)."""
 
-    def __init__(self, instance_id: str, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, instance_id: str, registry: CollectorRegistry | None = None, model_name: str = "") -> None:
         self.registry = r = registry or CollectorRegistry()
+        self.tokens_per_forward = Histogram(
+            "dls_tokens_per_forward", "canvas positions a request committed in one forward (a decoder commits 1)",
+            [MODEL_LABEL, "instance"], buckets=TOKENS_PER_FORWARD_BUCKETS, registry=r).labels(model_name, instance_id)
         labels = ["instance"]
         self.steps = Counter("dls_worker_steps", "batched forwards run", labels, registry=r).labels(instance_id)
         self.batch_size = Histogram("dls_worker_batch_size", "requests per forward", labels,
@@ -212,7 +259,7 @@ class WorkerMetrics:
 
 
 class GatewayMetrics:
-    """HTTP requests."""
+    """HTTP requests, and the serving latencies HTTP clients see (``model_name``)."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = r = registry or CollectorRegistry()
@@ -221,6 +268,13 @@ class GatewayMetrics:
         self.seconds = Histogram("dls_gateway_http_request_seconds", "HTTP request time (streams: to the end)",
                                  ["route"], buckets=LATENCY_BUCKETS_S, registry=r)
         self.malformed = _malformed(r)
+        serving = ServingMetrics(r, "dls_gateway", ", as the HTTP client sees it (TTFT, inter-token: streams)")
+        self.ttft, self.itl, self.tpot, self.e2e = serving.ttft, serving.itl, serving.tpot, serving.e2e
+        self.idempotent_joins = Counter("dls_gateway_idempotent_joins", "requests answered by joining a running "
+                                        "or finished one (a retry: Idempotency-Key, or the SDK's retry header)",
+                                        registry=r)
+        self.abandoned = Counter("dls_gateway_abandoned_requests", "requests cancelled because their client "
+                                 "left (disconnected or timed out) and no retry joined them", registry=r)
 
 
 class PredictorMetrics:

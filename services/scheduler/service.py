@@ -114,6 +114,10 @@ class _Tracked:
     first_prediction: tuple[int, dict[float, int]] | None = None
     threshold_sum: float = 0.0  # thresholds of its steps since that prediction, summed
     num_threshold_steps: int = 0  # and counted
+    model: str = ""  # the model_name label of its serving metrics
+    arrival_time: float = 0.0  # unix time (s) the gateway accepted it
+    first_output_at: float | None = None  # when its first block was committed (TTFT)
+    last_output_at: float | None = None  # when its latest block was committed (inter-token latency)
 
 
 @dataclass
@@ -213,6 +217,7 @@ class SchedulerService:
         self.counters = {"malformed": 0, "lost_steps": 0, "failed_steps": 0, "migrations": 0,
                          "continued_steps": 0, "pipelined_steps": 0}
         self.metrics = SchedulerMetrics()
+        self.model_name = Path(settings.model_dir).name  # the served model (the gateway's name for it)
         self._metrics_server = None
         self._tracer = tracer("dls.scheduler")
         self._pending_results: list[StepResults] = []  # received, not handled yet (coalesced)
@@ -345,6 +350,7 @@ class SchedulerService:
             self._window_arrivals.append(Arrival(time_s=stored.arrival_time, prompt_tokens=len(stored.prompt_token_ids),
                                                  output_tokens=stored.gen_length, slo_s=stored.slo_ms / 1000.0))
             requests.append(self._track(stored))
+            self.metrics.prompt_tokens.labels(stored.model or self.model_name).inc(len(stored.prompt_token_ids))
         self._handle(self.loop.on_arrivals(now, requests))
         self._ask_predictions([r.request_id for r in requests])
 
@@ -369,6 +375,7 @@ class SchedulerService:
             version=record.version, prompt_len=len(record.prompt_token_ids), gen_len=record.gen_length,
             block_len=record.block_length, uses_cache=cache != CacheMode.NONE, num_steps=record.num_steps,
             num_committed=record.num_committed, holder_id=None, trace_context=record.trace_context,
+            model=record.model or self.model_name, arrival_time=record.arrival_time,
         )
         request = Request(
             record.request_id, record.arrival_time, len(record.prompt_token_ids), record.gen_length,
@@ -841,13 +848,15 @@ class SchedulerService:
             tracked.num_threshold_steps += 1
             outcomes.append(StepOutcome(r.request_id, len(r.committed_positions), r.block_done, r.finished,
                                         int(r.kind) == 0))
+            if r.block_done or r.finished:
+                self._observe_output(tracked, now)
             if r.finished:
                 self.tracked.pop(r.request_id, None)
                 window["finished"] += 1
                 request = self.view.requests.get(r.request_id)
                 if request is not None and now <= request.deadline:
                     window["slo_met"] += 1
-                self._observe_finish(r.request_id, tracked, request, r.num_steps, now)
+                self._observe_finish(r.request_id, tracked, request, r.num_steps, now, r.num_answer_tokens)
         if outcomes:
             self.metrics.steps.inc(len(outcomes))
             if len(self._threshold_samples) == len(outcomes):  # the first of this batch: observe them later
@@ -1075,7 +1084,17 @@ class SchedulerService:
                 "dls.thresholds": thresholds,
                 "dls.predicted_remaining_steps": [threshold_to_remaining[t] for t in thresholds]}).end()
 
-    def _observe_finish(self, request_id: str, tracked: _Tracked, request, num_steps: int, now: float) -> None:
+    def _observe_output(self, tracked: _Tracked, now: float) -> None:
+        """A block of the request's answer was committed: its TTFT, or a gap between two blocks."""
+        if tracked.first_output_at is None:
+            tracked.first_output_at = now
+            self.metrics.ttft.labels(tracked.model).observe(max(now - tracked.arrival_time, 0.0))
+        else:
+            self.metrics.itl.labels(tracked.model).observe(max(now - tracked.last_output_at, 0.0))
+        tracked.last_output_at = now
+
+    def _observe_finish(self, request_id: str, tracked: _Tracked, request, num_steps: int, now: float,
+                        num_answer_tokens: int = 0) -> None:
         self.metrics.finished.inc()
         latency_s = now - request.arrival_time if request is not None else None
         slo_met = request is not None and now <= request.deadline
@@ -1083,6 +1102,12 @@ class SchedulerService:
             self.metrics.slo_met.inc()
         if latency_s is not None:
             self.metrics.latency.observe(latency_s)
+        e2e_s = max(now - tracked.arrival_time, 0.0)
+        self.metrics.e2e.labels(tracked.model).observe(e2e_s)
+        self.metrics.generation_tokens.labels(tracked.model).inc(num_answer_tokens)
+        if num_answer_tokens > 1 and tracked.first_output_at is not None:
+            first = max(tracked.first_output_at - tracked.arrival_time, 0.0)
+            self.metrics.tpot.labels(tracked.model).observe((e2e_s - first) / (num_answer_tokens - 1))
         error = None
         if tracked.first_prediction is not None:
             made_at, threshold_to_remaining = tracked.first_prediction
@@ -1103,6 +1128,13 @@ class SchedulerService:
     def _update_gauges(self) -> None:
         self.metrics.queue_depth.set(self.view.num_queued)
         self.metrics.in_flight.set(len(self.tracked))
+        queued = {r.request_id for r in self.view.iter_queued()}
+        model_to_counts: dict[str, list[int]] = {self.model_name: [0, 0]}  # model -> [running, waiting]
+        for request_id, tracked in self.tracked.items():
+            model_to_counts.setdefault(tracked.model, [0, 0])[request_id in queued] += 1
+        for model, (running, waiting) in model_to_counts.items():
+            self.metrics.running.labels(model).set(running)
+            self.metrics.waiting.labels(model).set(waiting)
         tp_to_count: dict[int, int] = {}  # TP degree -> live instances
         for inst in self.view.instances.values():
             if inst.alive:

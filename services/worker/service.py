@@ -125,7 +125,7 @@ class WorkerService:
         self._drain_expired = False  # drain_timeout_s passed: leave between two steps
         self._subscription = None
         self._tasks: list[asyncio.Task] = []
-        self.metrics = WorkerMetrics(self.instance_id)
+        self.metrics = WorkerMetrics(self.instance_id, model_name=getattr(engine, "name", ""))
         self._metrics_server = None  # the /metrics HTTP server (DLS_METRICS_PORT; None: off)
         self._tracer = tracer("dls.worker")
         # engines declare ``blocking = False`` when a step costs next to nothing (no model)
@@ -399,6 +399,8 @@ class WorkerService:
             self.metrics.batch_size.observe(len(batch))
             self.metrics.step_seconds.observe(duration)
             self.metrics.tokens.inc(sum(len(o.committed_positions) for o in outcomes))
+            for outcome in outcomes:
+                self.metrics.tokens_per_forward.observe(len(outcome.committed_positions))
             self.metrics.blocks_skipped.inc(sum(o.blocks_skipped for o in outcomes))
         self.metrics.loads.inc(len(loaded))
         return StepResults(
