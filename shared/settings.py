@@ -107,6 +107,16 @@ class GatewaySettings(ServiceSettings):
     result_poll_s: float = _own("gateway", "result_poll_s", 5.0,
                                 "a request that heard no event for this long is looked up in Redis (delivers a "
                                 "result whose final event was lost)", gt=0)
+    sse_keepalive_s: float = _own("gateway", "sse_keepalive_s", 5.0,
+                                  "a stream that sent nothing for this long gets a `: keep-alive` comment line "
+                                  "(proxies cut idle streams); 0: none", ge=0)
+    retry_grace_s: float = _own("gateway", "retry_grace_s", 10.0,
+                                "a request under a retry key (Idempotency-Key, or the OpenAI SDK's retry header) "
+                                "whose client left waits this long for a retry to join it before it is cancelled; "
+                                "0: cancelled at once", ge=0)
+    idempotency_ttl_s: float = _own("gateway", "idempotency_ttl_s", 600.0,
+                                    "how long a retry key stands for its request (a retry after it finished gets "
+                                    "the stored answer while the key and the result last)", gt=0)
 
 
 class SchedulerSettings(ServiceSettings):

@@ -1,15 +1,24 @@
 """Answer bodies and server-sent-event chunks, from a request's events (pure: no I/O).
 
-A non-streaming answer is one ``text_completion`` or ``chat.completion`` object. A stream is a
-sequence of ``data:`` chunks, one per non-empty ``RequestProgress.text_delta`` (``choices[0].text``,
-or ``choices[0].delta.content`` for chat, whose first chunk also carries ``delta.role``), optional
-``event: progress`` lines (step, threshold, instance, canvas), a final chunk with ``finish_reason``
-and ``usage``, then ``data: [DONE]``.
+A non-streaming answer is one ``text_completion`` or ``chat.completion`` object with one choice per
+``n``. A stream is a sequence of ``data:`` chunks, one per non-empty ``RequestProgress.text_delta``
+of each choice (``choices[0].text``, or ``choices[0].delta.content`` for chat, whose first chunk of a
+choice also carries ``delta.role``; ``choices[0].index`` says which choice), optional ``event:
+progress`` lines (step, threshold, instance, canvas), a chunk with ``finish_reason`` per choice, with
+``stream_options.include_usage`` a last chunk with ``choices: []`` and ``usage`` (OpenAI's and vLLM's
+shape; no other chunk carries usage), then ``data: [DONE]``.
+
+``logprobs``: per token, the log of the probability the model committed it with (its confidence at
+the step that committed it, ``TokenLogprobs``), in OpenAI's shapes: completions ``{tokens,
+token_logprobs, top_logprobs, text_offset}``, chat ``{content: [{token, logprob, bytes,
+top_logprobs}]}``. A token's text is its own decoding; a probability of 0 is logprob -9999 (vLLM's
+stand-in for minus infinity, which JSON cannot hold).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 
 from services.gateway.errors import ApiError
@@ -22,27 +31,43 @@ from services.gateway.schemas import (
     ChatCompletionChunk,
     ChatCompletionResponse,
     ChatDelta,
+    ChatLogprobs,
+    ChatTokenLogprob,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionResponse,
     ModelCard,
     ProgressInfo,
     RequestInfo,
     StepInfo,
+    TopLogprob,
     UsageInfo,
 )
-from shared.messages.events import RequestFinished, RequestProgress, Usage
+from shared.messages.events import RequestFinished, RequestProgress, TokenLogprobs, Usage
 from shared.state import RequestRecord, RequestStatus, StepRecord
 
 DONE = "data: [DONE]\n\n"
+KEEPALIVE = ": keep-alive\n\n"  # an SSE comment: clients ignore it, proxies see the stream is alive
+NO_PROBABILITY_LOGPROB = -9999.0  # the logprob of a probability of 0 (JSON has no -inf)
 
 
 def usage_info(usage: Usage, slo_ms: float) -> UsageInfo:
+    return combined_usage([usage], slo_ms)
+
+
+def combined_usage(usages: Sequence[Usage], slo_ms: float) -> UsageInfo:
+    """The usage of a request's choices together: the prompt once (as OpenAI counts it), the answers'
+    tokens, steps, migrations summed, thresholds in choice order, instances in order of first visit,
+    the slowest latency, the SLO met by every choice."""
+    prompt = usages[0].prompt_tokens
+    completion = sum(u.completion_tokens for u in usages)
+    instances = list(dict.fromkeys(i for u in usages for i in u.instance_ids))
     return UsageInfo(
-        prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
-        total_tokens=usage.prompt_tokens + usage.completion_tokens, steps=usage.num_steps,
-        recompute_steps=usage.num_recompute_steps, thresholds=list(usage.thresholds),
-        instances=list(usage.instance_ids), migrations=usage.num_migrations, latency_ms=usage.latency_s * 1000.0,
-        slo_ms=slo_ms, slo_met=usage.slo_met,
+        prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+        steps=sum(u.num_steps for u in usages), recompute_steps=sum(u.num_recompute_steps for u in usages),
+        thresholds=[t for u in usages for t in u.thresholds], instances=instances,
+        migrations=sum(u.num_migrations for u in usages), latency_ms=max(u.latency_s for u in usages) * 1000.0,
+        slo_ms=slo_ms, slo_met=all(u.slo_met for u in usages),
     )
 
 
@@ -50,16 +75,60 @@ def created_at(prepared: PreparedRequest) -> int:
     return int(prepared.request.arrival_time)
 
 
-def final_answer(prepared: PreparedRequest, finished: RequestFinished) -> dict:
-    """The whole (non-streaming) answer."""
-    usage = usage_info(finished.usage, prepared.request.slo_ms)
-    common = {"id": prepared.request_id, "created": created_at(prepared), "model": prepared.model.name,
+def logprob(probability: float) -> float:
+    return math.log(probability) if probability > 0.0 else NO_PROBABILITY_LOGPROB
+
+
+def completion_logprobs(codec: TextCodec, token_ids: Sequence[int], probs: TokenLogprobs | None,
+                        num_top: int | None, text_start: int = 0) -> CompletionLogprobs | None:
+    """Completions' logprobs of ``token_ids`` (their text starting at ``text_start`` of the choice's)."""
+    if probs is None or num_top is None:
+        return None
+    tokens = [codec.decode([t]) for t in token_ids]
+    offsets, at = [], text_start
+    for text in tokens:
+        offsets.append(at)
+        at += len(text)
+    top = None
+    if num_top:
+        top = [{codec.decode([t]): logprob(p) for t, p in zip(ids, ps, strict=False)}
+               for ids, ps in zip(probs.top_token_ids, probs.top_probs, strict=False)]
+    return CompletionLogprobs(tokens=tokens, token_logprobs=[logprob(p) for p in probs.probs], top_logprobs=top,
+                              text_offset=offsets)
+
+
+def chat_logprobs(codec: TextCodec, token_ids: Sequence[int], probs: TokenLogprobs | None,
+                  num_top: int | None) -> ChatLogprobs | None:
+    """Chat's logprobs of ``token_ids``."""
+    if probs is None or num_top is None:
+        return None
+    tops = probs.top_token_ids if num_top else [[] for _ in token_ids]
+    top_probs = probs.top_probs if num_top else [[] for _ in token_ids]
+    content = []
+    for token, p, ids, ps in zip(token_ids, probs.probs, tops, top_probs, strict=False):
+        text = codec.decode([token])
+        alternatives = [TopLogprob(token=codec.decode([t]), logprob=logprob(q), bytes=list(codec.decode([t]).encode()))
+                        for t, q in zip(ids, ps, strict=False)]
+        content.append(ChatTokenLogprob(token=text, logprob=logprob(p), bytes=list(text.encode()),
+                                        top_logprobs=alternatives))
+    return ChatLogprobs(content=content)
+
+
+def final_answer(prepared: PreparedRequest, finals: Sequence[RequestFinished]) -> dict:
+    """The whole (non-streaming) answer: one choice per finished choice request, in choice order."""
+    usage = combined_usage([f.usage for f in finals], prepared.request.slo_ms)
+    common = {"id": prepared.response_id, "created": created_at(prepared), "model": prepared.model.name,
               "usage": usage}
+    codec, num_top = prepared.model.codec, prepared.request.logprobs
     if prepared.chat:
-        choice = ChatChoice(message=AssistantMessage(content=finished.text), finish_reason=finished.finish_reason)
-        return ChatCompletionResponse(choices=[choice], **common).model_dump()
-    choice = CompletionChoice(text=finished.text, finish_reason=finished.finish_reason)
-    return CompletionResponse(choices=[choice], **common).model_dump()
+        choices = [ChatChoice(index=i, message=AssistantMessage(content=f.text), finish_reason=f.finish_reason,
+                              logprobs=chat_logprobs(codec, f.token_ids, f.logprobs, num_top))
+                   for i, f in enumerate(finals)]
+        return ChatCompletionResponse(choices=choices, **common).model_dump()
+    choices = [CompletionChoice(index=i, text=f.text, finish_reason=f.finish_reason,
+                                logprobs=completion_logprobs(codec, f.token_ids, f.logprobs, num_top))
+               for i, f in enumerate(finals)]
+    return CompletionResponse(choices=choices, **common).model_dump()
 
 
 def sse_data(payload: dict | str) -> str:
@@ -79,59 +148,105 @@ class CanvasTracker:
                 self.token_ids[position] = token_id
 
 
+class _ChoiceStream:
+    """What one choice of a stream has sent so far."""
+
+    def __init__(self, prepared: PreparedRequest) -> None:
+        self.canvas = CanvasTracker(prepared.request.gen_length, prepared.model.codec.mask_token_id)
+        self.text = ""  # concatenated deltas sent so far
+        self.num_tokens = 0  # answer tokens those deltas hold (their delta_token_ids)
+        self.role_sent = False  # chat: the first chunk of a choice carries delta.role
+        self.usage: Usage | None = None  # once finished
+
+
 class StreamFormatter:
-    """SSE chunks of one streamed request, in OpenAI's delta format."""
+    """SSE chunks of one streamed request (its choices' events interleaved), in OpenAI's delta format."""
 
     def __init__(self, prepared: PreparedRequest) -> None:
         self.prepared = prepared
-        self.canvas = CanvasTracker(prepared.request.gen_length, prepared.model.codec.mask_token_id)
-        self.streamed_text = ""  # concatenated deltas sent so far
-        self._role_sent = False  # chat: the first chunk carries delta.role
+        self.choices = [_ChoiceStream(prepared) for _ in prepared.choice_requests]
 
-    def progress(self, event: RequestProgress) -> list[str]:
-        """Chunks for one progress event: its text delta, and the progress line when asked for."""
-        self.canvas.apply(event)
+    @property
+    def streamed_text(self) -> str:
+        return self.choices[0].text
+
+    @property
+    def all_finished(self) -> bool:
+        return all(c.usage is not None for c in self.choices)
+
+    def progress(self, event: RequestProgress, index: int = 0) -> list[str]:
+        """Chunks for one progress event of choice ``index``: its text delta, and the progress line when
+        asked for."""
+        choice = self.choices[index]
+        choice.canvas.apply(event)
         chunks = []
         if self.prepared.include_progress:
             info = ProgressInfo(request_id=event.request_id, step=event.num_steps, threshold=event.threshold,
                                 instance_id=event.instance_id,
-                                canvas=self.prepared.model.codec.render_canvas(self.canvas.token_ids))
+                                canvas=self.prepared.model.codec.render_canvas(choice.canvas.token_ids))
             chunks.append(f"event: progress\n{sse_data(info.model_dump())}")
-        if event.text_delta:
-            chunks.append(self._text_chunk(event.text_delta))
+        if event.text_delta or event.delta_token_ids:
+            chunks.append(self._text_chunk(index, event.text_delta, event.delta_token_ids, event.logprobs))
         return chunks
 
-    def finished(self, event: RequestFinished) -> list[str]:
-        """The text no delta carried (lost progress events), then the final chunk with usage."""
+    def finished(self, event: RequestFinished, index: int = 0) -> list[str]:
+        """The text no delta carried (lost progress events), then the chunk with ``finish_reason``."""
+        choice = self.choices[index]
         chunks = []
-        if event.text.startswith(self.streamed_text) and len(event.text) > len(self.streamed_text):
-            chunks.append(self._text_chunk(event.text[len(self.streamed_text):]))
-        usage = usage_info(event.usage, self.prepared.request.slo_ms)
-        chunks.append(sse_data(self._chunk("", event.finish_reason, usage)))
+        tokens_left = event.logprobs is not None and len(event.token_ids) > choice.num_tokens  # text-less tokens too
+        if event.text.startswith(choice.text) and (len(event.text) > len(choice.text) or tokens_left):
+            rest_ids = event.token_ids[choice.num_tokens:]
+            rest = None
+            if event.logprobs is not None:
+                k = choice.num_tokens
+                rest = TokenLogprobs(probs=event.logprobs.probs[k:], top_token_ids=event.logprobs.top_token_ids[k:],
+                                     top_probs=event.logprobs.top_probs[k:])
+            chunks.append(self._text_chunk(index, event.text[len(choice.text):], rest_ids, rest))
+        choice.usage = event.usage
+        chunks.append(sse_data(self._chunk(index, "", event.finish_reason)))
         return chunks
+
+    def usage_chunk(self) -> str | None:
+        """The last chunk (``choices: []`` and the usage) once every choice finished, when asked for."""
+        usages = [c.usage for c in self.choices]
+        if not self.prepared.include_usage or any(u is None for u in usages):
+            return None
+        usage = combined_usage(usages, self.prepared.request.slo_ms)
+        model = ChatCompletionChunk if self.prepared.chat else CompletionResponse
+        chunk = model(id=self.prepared.response_id, created=created_at(self.prepared), model=self.prepared.model.name,
+                      choices=[], usage=usage)
+        return sse_data(chunk.model_dump())
 
     @staticmethod
     def error(error: ApiError) -> str:
         return sse_data(error.body())
 
-    def _text_chunk(self, text: str) -> str:
-        self.streamed_text += text
-        return sse_data(self._chunk(text, None, None))
+    def _text_chunk(self, index: int, text: str, token_ids: Sequence[int], probs: TokenLogprobs | None) -> str:
+        choice = self.choices[index]
+        start = len(choice.text)
+        choice.text += text
+        choice.num_tokens += len(token_ids)
+        return sse_data(self._chunk(index, text, None, token_ids, probs, start))
 
-    def _chunk(self, text: str, finish_reason: str | None, usage: UsageInfo | None) -> dict:
-        common = {"id": self.prepared.request_id, "created": created_at(self.prepared),
-                  "model": self.prepared.model.name, "usage": usage}
+    def _chunk(self, index: int, text: str, finish_reason: str | None, token_ids: Sequence[int] = (),
+               probs: TokenLogprobs | None = None, text_start: int = 0) -> dict:
+        common = {"id": self.prepared.response_id, "created": created_at(self.prepared),
+                  "model": self.prepared.model.name}
+        codec, num_top = self.prepared.model.codec, self.prepared.request.logprobs
+        choice = self.choices[index]
         if self.prepared.chat:
-            delta = ChatDelta(role=None if self._role_sent else "assistant", content=text or None)
-            self._role_sent = True
-            chunk = ChatCompletionChunk(choices=[ChatChunkChoice(delta=delta, finish_reason=finish_reason)],
+            delta = ChatDelta(role=None if choice.role_sent else "assistant", content=text or None)
+            choice.role_sent = True
+            logprobs = chat_logprobs(codec, token_ids, probs, num_top) if token_ids else None
+            chunk = ChatCompletionChunk(choices=[ChatChunkChoice(index=index, delta=delta, logprobs=logprobs,
+                                                                 finish_reason=finish_reason)],
                                         **common).model_dump()
             chunk["choices"][0]["delta"] = delta.model_dump(exclude_none=True)  # OpenAI omits absent keys
         else:
-            choice = CompletionChoice(text=text, finish_reason=finish_reason)
-            chunk = CompletionResponse(choices=[choice], **common).model_dump()
-        if usage is None:
-            del chunk["usage"]
+            logprobs = completion_logprobs(codec, token_ids, probs, num_top, text_start) if token_ids else None
+            choice_body = CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish_reason)
+            chunk = CompletionResponse(choices=[choice_body], **common).model_dump()
+        chunk.pop("usage", None)
         return chunk
 
 

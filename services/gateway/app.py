@@ -10,10 +10,9 @@ events when ``stream`` is set. No torch: the gateway never loads weights.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import anyio
@@ -23,11 +22,18 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from services.gateway.answers import DONE, StreamFormatter, final_answer, model_card, request_info
+from services.gateway.answers import DONE, KEEPALIVE, StreamFormatter, final_answer, model_card, request_info
 from services.gateway.bus import Bus, BusUnavailableError, GatewayBus
 from services.gateway.dashboard import mount_dashboard
 from services.gateway.edge import ApiKeyMiddleware, BodyLimitMiddleware
 from services.gateway.errors import SERVER_ERROR, ApiError, error_body, failure_error, invalid
+from services.gateway.idempotency import (
+    IdempotencyStore,
+    InMemoryIdempotency,
+    RedisIdempotency,
+    RetryKey,
+    retry_key,
+)
 from services.gateway.models import ModelCatalogue, UnknownModelError, load_served_model
 from services.gateway.observability import install_observability, intake_headers
 from services.gateway.prepare import PreparedRequest, RequestPreparer, new_request_id
@@ -40,6 +46,7 @@ from services.gateway.schemas import (
     RequestInfo,
 )
 from services.gateway.security import Admission, RedisRateLimiter, caller, rate_identity
+from services.gateway.sequencing import is_terminal
 from services.gateway.slo import load_slo_estimator
 from shared.messages.codec import PayloadTooLargeError
 from shared.messages.control import WorkerStatus
@@ -50,6 +57,7 @@ from shared.messages.events import (
     RequestFinished,
     RequestProgress,
 )
+from shared.metrics import GatewayMetrics
 from shared.settings import GatewaySettings
 
 logger = logging.getLogger(__name__)
@@ -61,16 +69,77 @@ MAX_REQUEST_ID_CHARS = 200
 ERROR_RESPONSES = {status: {"model": ErrorResponse} for status in (400, 401, 404, 409, 429, 500, 503, 504)}
 
 
+class ChoiceEvents:
+    """The events of a request's choices (one request each), merged in arrival order as (choice index,
+    event); ends once every choice got its terminal event. Closing it closes them all and frees the
+    admission slot (``release``)."""
+
+    def __init__(self, streams: list[TrackedEvents], release: Callable[[], None] = lambda: None) -> None:
+        self._streams = streams
+        self._queue: asyncio.Queue = asyncio.Queue()  # (index, event or the exception that ended its stream)
+        self._tasks: list[asyncio.Task] | None = None
+        self._num_open = len(streams)  # choices without their terminal event yet
+        self._release = release
+        self._closed = False
+
+    def __aiter__(self) -> ChoiceEvents:
+        return self
+
+    async def __anext__(self) -> tuple[int, RequestEvent]:
+        if self._tasks is None:
+            self._tasks = [asyncio.ensure_future(self._pump(i, s)) for i, s in enumerate(self._streams)]
+        if self._num_open == 0:
+            raise StopAsyncIteration
+        index, item = await self._queue.get()  # cancel-safe: a timeout around it loses nothing
+        if isinstance(item, BaseException):
+            raise item  # StopAsyncIteration (no terminal event), BusUnavailableError, PayloadTooLargeError
+        if is_terminal(item):
+            self._num_open -= 1
+        return index, item
+
+    async def _pump(self, index: int, stream: TrackedEvents) -> None:
+        try:
+            async for event in stream:
+                self._queue.put_nowait((index, event))
+                if is_terminal(event):
+                    return
+            self._queue.put_nowait((index, StopAsyncIteration()))
+        except Exception as exc:  # noqa: BLE001 (handed to the reader, who turns it into a status)
+            self._queue.put_nowait((index, exc))
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            for task in self._tasks or ():
+                task.cancel()
+            await asyncio.gather(*(self._tasks or ()), return_exceptions=True)
+            for stream in self._streams:
+                await stream.aclose()
+        finally:
+            self._release()
+
+    def __del__(self) -> None:  # a response never iterated: its admission slot is still freed
+        if not self._closed:
+            self._closed = True
+            self._release()
+
+
 class Gateway:
-    """The request handling behind the routes: prepare, submit, answer."""
+    """The request handling behind the routes: prepare, submit (or join), answer, and no orphan work."""
 
     def __init__(self, settings: GatewaySettings, preparer: RequestPreparer, bus: Bus,
-                 rate_limiter: RedisRateLimiter | None = None) -> None:
+                 rate_limiter: RedisRateLimiter | None = None, idempotency: IdempotencyStore | None = None,
+                 metrics: GatewayMetrics | None = None) -> None:
         self.settings = settings
         self.preparer = preparer
         self.bus = bus
         self.rate_limiter = rate_limiter  # per-key limit in Redis (None: no limit)
         self.admission = Admission(settings.max_in_flight, settings.retry_after_s)
+        self.idempotency = idempotency or InMemoryIdempotency()  # retry keys (see idempotency.py)
+        self.metrics = metrics or GatewayMetrics()
+        self._grace_tasks: set[asyncio.Task] = set()  # requests whose client left, waiting for a retry
 
     # --- completions --------------------------------------------------------------------------
 
@@ -83,89 +152,182 @@ class Gateway:
             prepared = self.preparer.prepare(body, new_request_id(), time.time())
             owner = caller(request)
             if owner:
-                prepared = dataclasses.replace(prepared, request=msgspec.structs.replace(prepared.request,
-                                                                                          owner=owner))
+                prepared = prepared.with_requests(tuple(msgspec.structs.replace(r, owner=owner)
+                                                        for r in prepared.choice_requests))
+            key, joined = await self._retry_key(body, request, prepared)
+            if joined is not None:
+                prepared = joined
         except BaseException:
             self.admission.leave()
             raise
         trace = intake_headers(prepared.request)  # the trace continues in the scheduler (observability.py)
-        events = TrackedEvents(self.bus.submit(prepared.request, trace or None), prepared.request_id,
-                               lambda rid: self._stored_event(rid, prepared), self.settings.result_poll_s,
-                               self.admission.leave)
+        streams = [TrackedEvents(self.bus.follow(r) if joined else self.bus.submit(r, trace or None), r.request_id,
+                                 lambda rid: self._stored_event(rid, prepared), self.settings.result_poll_s,
+                                 check_first=joined is not None)
+                   for r in prepared.choice_requests]
+        events = ChoiceEvents(streams, self.admission.leave)
         deadline = asyncio.get_running_loop().time() + self.settings.request_timeout_s
         answer = self._open_stream if prepared.request.stream else self._answer
-        return await self._unless_client_leaves(request, prepared, answer(prepared, events, deadline))
+        headers = {"X-Request-Id": prepared.response_id}
+        if joined is not None:
+            self.metrics.idempotent_joins.inc()
+            headers["Idempotent-Replayed"] = "true"
+        return await self._unless_client_leaves(request, prepared, key,
+                                                answer(prepared, events, deadline, key, headers))
 
-    async def _open_stream(self, prepared: PreparedRequest, events: AsyncIterator[RequestEvent],
-                           deadline: float) -> Response:
+    async def _retry_key(self, body, request: Request,
+                         prepared: PreparedRequest) -> tuple[RetryKey | None, PreparedRequest | None]:
+        """The request's retry key (None: its client does not retry) and, when it retries one that runs or
+        ran, the prepared request rebuilt around that one's requests (to join them)."""
+        try:
+            key = retry_key(request.headers, rate_identity(request), request.url.path,
+                            body.model_dump(mode="json", exclude_unset=True))
+        except ValueError as exc:
+            raise invalid("Idempotency-Key", f"Idempotency-Key: {exc}", "invalid_idempotency_key") from None
+        if key is None:
+            return None, None
+        ids = [r.request_id for r in prepared.choice_requests]
+        try:
+            claim = await self.idempotency.claim(key.key, key.fingerprint, ids, prepared.request.arrival_time,
+                                                 self.settings.idempotency_ttl_s, attach=key.join)
+        except Exception as exc:  # noqa: BLE001 (Redis down: serve it as new work, cancelled when its client leaves)
+            logger.warning("retry keys unavailable (%s): request %s runs without one", type(exc).__name__,
+                           prepared.request_id)
+            return None, None
+        if claim.created:
+            return key, None
+        if not key.join:
+            return None, None  # an identical body sent afresh: new work, not joinable
+        if claim.fingerprint != key.fingerprint:
+            await self._detach(key)
+            raise ApiError(422, "Idempotency-Key was used with another request body; use a new key for a new "
+                           "request", "Idempotency-Key", "idempotency_key_reused")
+        requests = tuple(msgspec.structs.replace(r, request_id=rid, arrival_time=claim.arrival_time)
+                         for r, rid in zip(prepared.choice_requests, claim.request_ids, strict=False))
+        if len(requests) != len(prepared.choice_requests):
+            await self._detach(key)
+            raise ApiError(422, "Idempotency-Key stands for a request with another number of choices", "n",
+                           "idempotency_key_reused")
+        answer_id = claim.request_ids[0] if len(requests) == 1 else claim.request_ids[0].rsplit("-", 1)[0]
+        logger.info("request %s joins %s (a retry)", prepared.request_id, answer_id)
+        return key, prepared.with_requests(requests, answer_id)
+
+    async def _open_stream(self, prepared: PreparedRequest, events: ChoiceEvents, deadline: float,
+                           key: RetryKey | None, headers: dict[str, str]) -> Response:
         """The SSE response, once the request got past admission (a refusal is still a plain status)."""
         try:
             first = await self._next_event(prepared, events, deadline)
-            while isinstance(first, RequestAccepted):  # admission may still refuse it: wait for more
+            while isinstance(first[1], RequestAccepted):  # admission may still refuse it: wait for more
                 first = await self._next_event(prepared, events, deadline)
-            if isinstance(first, RequestFailed):
-                raise failure_error(first, self.settings.retry_after_s)
+            if isinstance(first[1], RequestFailed):
+                await self._failed(prepared, key)
+                raise failure_error(first[1], self.settings.retry_after_s)
+        except ApiError as error:
+            await events.aclose()
+            if error.status_code == 504:
+                await self._abandon(prepared, key, "timed out")
+            raise
         except BaseException:
             await events.aclose()
             raise
-        return StreamingResponse(self._stream(prepared, first, events, deadline), media_type="text/event-stream",
-                                 headers={"X-Request-Id": prepared.request_id, "Cache-Control": "no-cache",
-                                          "X-Accel-Buffering": "no"})
+        return StreamingResponse(self._stream(prepared, first, events, deadline, key), media_type="text/event-stream",
+                                 headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    async def _answer(self, prepared: PreparedRequest, events: AsyncIterator[RequestEvent],
-                      deadline: float) -> Response:
+    async def _answer(self, prepared: PreparedRequest, events: ChoiceEvents, deadline: float,
+                      key: RetryKey | None, headers: dict[str, str]) -> Response:
+        finals: dict[int, RequestFinished] = {}  # choice index -> its answer
         try:
-            while True:
-                event = await self._next_event(prepared, events, deadline)
+            while len(finals) < len(prepared.choice_requests):
+                try:
+                    index, event = await self._next_event(prepared, events, deadline)
+                except ApiError as error:
+                    if error.status_code == 504:
+                        await self._abandon(prepared, key, "timed out")
+                    raise
                 if isinstance(event, RequestFinished):
-                    return JSONResponse(final_answer(prepared, event), headers={"X-Request-Id": prepared.request_id})
-                if isinstance(event, RequestFailed):
+                    finals[index] = event
+                elif isinstance(event, RequestFailed):
+                    await self._failed(prepared, key)
                     raise failure_error(event, self.settings.retry_after_s)
         finally:
             await events.aclose()
+        await self._detach(key)
+        self._observe_answer(prepared, finals.values())
+        return JSONResponse(final_answer(prepared, [finals[i] for i in sorted(finals)]), headers=headers)
 
-    async def _stream(self, prepared: PreparedRequest, first: RequestEvent, events: AsyncIterator[RequestEvent],
-                      deadline: float) -> AsyncIterator[str]:
-        """SSE chunks; a client that leaves before the end gets its request cancelled."""
+    async def _stream(self, prepared: PreparedRequest, first: tuple[int, RequestEvent], events: ChoiceEvents,
+                      deadline: float, key: RetryKey | None) -> AsyncIterator[str]:
+        """SSE chunks (keep-alive comments while nothing comes); a client that leaves before the end gets
+        its request cancelled (unless a retry joins it)."""
         formatter = StreamFormatter(prepared)
-        event, ended = first, False
+        clock = _ChunkClock(self.metrics, prepared)
+        (index, event), ended, failed = first, False, False
         try:
             while True:
+                chunks, text = [], False
                 if isinstance(event, RequestProgress):
-                    chunks = formatter.progress(event)
+                    chunks, text = formatter.progress(event, index), bool(event.text_delta)
                 elif isinstance(event, RequestFinished):
-                    chunks, ended = formatter.finished(event), True
+                    chunks = formatter.finished(event, index)
+                    text = len(chunks) > 1  # text no progress event carried
                 elif isinstance(event, RequestFailed):
-                    chunks, ended = [formatter.error(failure_error(event, self.settings.retry_after_s))], True
-                else:
-                    chunks = []  # RequestAccepted: nothing to show
+                    chunks, ended, failed = [formatter.error(failure_error(event, self.settings.retry_after_s))], True, True
+                if text:
+                    clock.text_sent()
                 for chunk in chunks:
                     yield chunk
+                if not ended and formatter.all_finished:
+                    ended = True
+                    usage = formatter.usage_chunk()  # include_usage: the last chunk, choices []
+                    if usage is not None:
+                        yield usage
+                    clock.done()
                 if ended:
                     break
-                try:
-                    event = await self._next_event(prepared, events, deadline)
-                except ApiError as error:  # timeout, NATS gone: said in-band, the status is already sent
-                    ended = True
-                    yield formatter.error(error)
+                event = None
+                while event is None:
+                    try:
+                        index, event = await self._next_or_keepalive(prepared, events, deadline)
+                    except _KeepAlive:
+                        yield KEEPALIVE
+                    except ApiError as error:  # timeout, NATS gone: said in-band, the status is already sent
+                        yield formatter.error(error)
+                        break
+                if event is None:
                     break
             yield DONE
         finally:
             with anyio.CancelScope(shield=True):
-                if not ended:
-                    await self._cancel(prepared.request_id, "client disconnected")
                 await events.aclose()
+                if failed:
+                    await self._failed(prepared, key)
+                elif ended:
+                    await self._detach(key)
+                else:
+                    await self._abandon(prepared, key, "client disconnected")
 
-    async def _next_event(self, prepared: PreparedRequest, events: AsyncIterator[RequestEvent],
-                          deadline: float) -> RequestEvent:
-        rid = prepared.request_id
+    async def _next_or_keepalive(self, prepared: PreparedRequest, events: ChoiceEvents,
+                                 deadline: float) -> tuple[int, RequestEvent]:
+        """The next event; ``_KeepAlive`` when none came for ``sse_keepalive_s`` (0: wait as long as it takes)."""
+        if not self.settings.sse_keepalive_s:
+            return await self._next_event(prepared, events, deadline)
+        try:
+            async with asyncio.timeout(self.settings.sse_keepalive_s):
+                return await self._next_event(prepared, events, deadline)
+        except TimeoutError:
+            raise _KeepAlive() from None
+
+    async def _next_event(self, prepared: PreparedRequest, events: ChoiceEvents,
+                          deadline: float) -> tuple[int, RequestEvent]:
+        rid = prepared.response_id
         try:
             async with asyncio.timeout_at(deadline):
                 return await anext(events)
         except TimeoutError:
-            raise ApiError(504, f"request {rid} did not finish within {self.settings.request_timeout_s:g} s; "
-                           f"it may still be running: poll GET /v1/requests/{rid}", None, "timeout",
-                           SERVER_ERROR) from None
+            grace = self.settings.retry_grace_s
+            raise ApiError(504, f"request {rid} did not finish within {self.settings.request_timeout_s:g} s; it is "
+                           f"cancelled unless a retry with the same Idempotency-Key (or the OpenAI SDK's own retry) "
+                           f"joins it within {grace:g} s", None, "timeout", SERVER_ERROR) from None
         except StopAsyncIteration:
             raise ApiError(500, f"request {rid}: the event stream ended without a final event", None,
                            "internal", SERVER_ERROR) from None
@@ -175,7 +337,8 @@ class Gateway:
         except PayloadTooLargeError as exc:
             raise invalid("prompt", f"prompt: request {rid} is too large to send ({exc})", "too_large") from None
 
-    async def _unless_client_leaves(self, request: Request, prepared: PreparedRequest, answer) -> Response:
+    async def _unless_client_leaves(self, request: Request, prepared: PreparedRequest, key: RetryKey | None,
+                                    answer) -> Response:
         """Await ``answer``, but cancel the request if the HTTP client disconnects first."""
         work = asyncio.ensure_future(answer)
         watch = asyncio.ensure_future(_disconnected(request))
@@ -188,12 +351,81 @@ class Gateway:
                 await asyncio.gather(work, return_exceptions=True)
         if not work.cancelled():
             return work.result()
-        await self._cancel(prepared.request_id, "client disconnected")
+        await self._abandon(prepared, key, "client disconnected")
         return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+    # --- no orphan work (idempotency.py) --------------------------------------------------------
+
+    async def _abandon(self, prepared: PreparedRequest, key: RetryKey | None, reason: str) -> None:
+        """The client left (``reason``): cancel the request now, or, under a retry key, once no client is
+        attached and none joined within ``retry_grace_s``."""
+        if key is not None:
+            try:
+                attached, joins = await self.idempotency.detach(key.key)
+                if attached > 0:
+                    return  # a retry is attached: it answers (and cancels) from here on
+                if attached == 0 and self.settings.retry_grace_s > 0:
+                    task = asyncio.create_task(self._cancel_after_grace(prepared, key, joins, reason))
+                    self._grace_tasks.add(task)
+                    task.add_done_callback(self._grace_tasks.discard)
+                    return
+                if attached == 0 and not await self.idempotency.drop_if_unattached(key.key, joins):
+                    return
+            except Exception as exc:  # noqa: BLE001 (Redis down: cancel now rather than leave work behind)
+                logger.warning("retry key of %s unavailable (%s): cancelling now", prepared.response_id, exc)
+        await self._cancel_all(prepared, reason)
+
+    async def _cancel_after_grace(self, prepared: PreparedRequest, key: RetryKey, joins: int, reason: str) -> None:
+        try:
+            await asyncio.sleep(self.settings.retry_grace_s)
+            dropped = await self.idempotency.drop_if_unattached(key.key, joins)
+        except asyncio.CancelledError:  # the gateway stops: nobody can join any more
+            dropped = True
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("retry key of %s unavailable (%s): cancelling", prepared.response_id, exc)
+            dropped = True
+        if dropped:
+            with anyio.CancelScope(shield=True):
+                await self._cancel_all(prepared, f"{reason}; no retry joined within {self.settings.retry_grace_s:g} s")
+
+    async def _detach(self, key: RetryKey | None) -> None:
+        """This client got its answer (the key stays: a later retry gets the stored answer)."""
+        if key is None:
+            return
+        try:
+            await self.idempotency.detach(key.key)
+        except Exception as exc:  # noqa: BLE001 (the answer went out; the count only matters to cancels)
+            logger.warning("retry key: detach failed (%s)", exc)
+
+    async def _failed(self, prepared: PreparedRequest, key: RetryKey | None) -> None:
+        """A choice failed: the others are cancelled, and a retry starts afresh (the key is dropped)."""
+        if len(prepared.choice_requests) > 1:
+            await self._cancel_all(prepared, "another choice of the request failed")
+        if key is not None:
+            try:
+                await self.idempotency.drop(key.key)
+            except Exception as exc:  # noqa: BLE001
+                logger.warning("retry key: drop failed (%s)", exc)
+
+    async def _cancel_all(self, prepared: PreparedRequest, reason: str) -> None:
+        self.metrics.abandoned.inc()
+        for choice in prepared.choice_requests:
+            await self._cancel(choice.request_id, reason)
 
     async def _cancel(self, request_id: str, reason: str) -> None:
         with anyio.move_on_after(CANCEL_WAIT_S):
             await self.bus.cancel(request_id, reason)
+
+    async def shutdown(self) -> None:
+        """Cancel at once the requests still waiting for a retry (nobody can join once this gateway stops)."""
+        tasks = list(self._grace_tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _observe_answer(self, prepared: PreparedRequest, finals) -> None:
+        elapsed = max(time.time() - prepared.request.arrival_time, 0.0)
+        self.metrics.e2e.labels(prepared.model.name).observe(elapsed)
 
     def _refuse_without_workers(self) -> None:
         """503 with Retry-After, at once, when no READY instance of a served model is alive (nothing is
@@ -252,6 +484,32 @@ class Gateway:
         }
 
 
+class _KeepAlive(Exception):
+    """No event for ``sse_keepalive_s``: time for a keep-alive comment."""
+
+
+class _ChunkClock:
+    """The serving latencies of a stream as its client sees them: TTFT (the first text chunk), the gaps
+    between text chunks, end to end (``GatewayMetrics``, label ``model_name``)."""
+
+    def __init__(self, metrics: GatewayMetrics, prepared: PreparedRequest) -> None:
+        self.metrics = metrics
+        self.model = prepared.model.name
+        self.arrival = prepared.request.arrival_time
+        self.last: float | None = None  # when the last text chunk went out
+
+    def text_sent(self) -> None:
+        now = time.time()
+        if self.last is None:
+            self.metrics.ttft.labels(self.model).observe(max(now - self.arrival, 0.0))
+        else:
+            self.metrics.itl.labels(self.model).observe(now - self.last)
+        self.last = now
+
+    def done(self) -> None:
+        self.metrics.e2e.labels(self.model).observe(max(time.time() - self.arrival, 0.0))
+
+
 async def _disconnected(request: Request) -> None:
     """Returns when the client has gone (ASGI ``http.disconnect``)."""
     while True:
@@ -285,12 +543,18 @@ def validation_error(exc: RequestValidationError) -> ApiError:
     return ApiError(400, f"{param}: {message}", param, "invalid_value")
 
 
+_UNION_TAGS = {"str", "int", "float", "bool", "none"}  # pydantic's names of a union's members in error locations
+
+
 def _param(loc) -> str | None:
-    """``('body', 'messages', 0, 'role')`` -> ``messages[0].role``."""
+    """``('body', 'messages', 0, 'role')`` -> ``messages[0].role``; a union member's tag (``('body', 'stop',
+    'list[str]', 0)``) is left out: the field is ``stop``."""
     out = ""
     for part in loc:
         if part == "body" and not out:
             continue
+        if isinstance(part, str) and (part in _UNION_TAGS or "[" in part):
+            break  # the rest locates the value inside one of the union's members
         out += f"[{part}]" if isinstance(part, int) else f".{part}" if out else str(part)
     return out or None
 
@@ -323,10 +587,11 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 def create_app(settings: GatewaySettings, bus: Bus | None = None,
-               rate_limiter: RedisRateLimiter | None = None) -> FastAPI:
+               rate_limiter: RedisRateLimiter | None = None, idempotency: IdempotencyStore | None = None) -> FastAPI:
     """The gateway app; ``bus``: a started ``Bus`` owned by the caller, or None for a ``GatewayBus``;
     ``rate_limiter``: a started one owned by the caller, or None for one on ``DLS_REDIS_URL`` when
-    ``DLS_GATEWAY_RATE_LIMIT_PER_MIN`` is set."""
+    ``DLS_GATEWAY_RATE_LIMIT_PER_MIN`` is set; ``idempotency``: where retry keys live (None: in Redis with
+    the ``GatewayBus``, in this process with a given bus)."""
     model = load_served_model(settings.model_dir, settings.default_gen_length, settings.default_block_length,
                               settings.chat_template, settings.trust_remote_code)
     estimator = load_slo_estimator(model.directory, settings.profile, settings.default_slo_factor,
@@ -336,8 +601,15 @@ def create_app(settings: GatewaySettings, bus: Bus | None = None,
     if rate_limiter is None and settings.rate_limit_per_min > 0:
         own_limiter = RedisRateLimiter(settings.redis_url, settings.redis_key_prefix, settings.rate_limit_per_min,
                                        settings.retry_after_s)
+    own_keys_client = None
+    if idempotency is None and own_bus is not None:
+        from shared.state import redis_client
+
+        own_keys_client = redis_client(settings.redis_url, socket_connect_timeout=2.0, socket_timeout=2.0)
+        idempotency = RedisIdempotency(own_keys_client, settings.redis_key_prefix)
+    metrics = GatewayMetrics()
     gateway = Gateway(settings, RequestPreparer(settings, ModelCatalogue([model]), estimator), bus or own_bus,
-                      rate_limiter or own_limiter)
+                      rate_limiter or own_limiter, idempotency, metrics)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -348,8 +620,11 @@ def create_app(settings: GatewaySettings, bus: Bus | None = None,
         try:
             yield
         finally:
+            await gateway.shutdown()
             if own_limiter is not None:
                 await own_limiter.close()
+            if own_keys_client is not None:
+                await own_keys_client.aclose()
             if own_bus is not None:
                 await own_bus.close()
 
@@ -359,7 +634,7 @@ def create_app(settings: GatewaySettings, bus: Bus | None = None,
     _install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
     app.add_middleware(ApiKeyMiddleware, api_keys=settings.api_keys)
-    install_observability(app)  # added last: runs first (server span, request metrics, GET /metrics)
+    install_observability(app, metrics)  # added last: runs first (server span, request metrics, GET /metrics)
 
     @app.post("/v1/completions", response_model=None, responses=ERROR_RESPONSES)
     async def completions(body: CompletionBody, request: Request) -> Response:

@@ -75,6 +75,10 @@ class Bus(Protocol):
         """
         ...
 
+    def follow(self, request: CompletionRequest) -> AsyncIterator[RequestEvent]:
+        """Yield the events of ``request``, already submitted (a retry joining it), from now on, in order."""
+        ...
+
     async def cancel(self, request_id: str, reason: str) -> None:
         """Ask the scheduler to stop ``request_id`` (best effort)."""
         ...
@@ -188,8 +192,15 @@ class GatewayBus:
 
     # --- the port -----------------------------------------------------------------------------
 
-    async def submit(self, request: CompletionRequest,
-                     headers: dict[str, str] | None = None) -> AsyncIterator[RequestEvent]:
+    def submit(self, request: CompletionRequest,
+               headers: dict[str, str] | None = None) -> AsyncIterator[RequestEvent]:
+        return self._events(request, headers, publish=True)
+
+    def follow(self, request: CompletionRequest) -> AsyncIterator[RequestEvent]:
+        return self._events(request, None, publish=False)
+
+    async def _events(self, request: CompletionRequest, headers: dict[str, str] | None,
+                      publish: bool) -> AsyncIterator[RequestEvent]:
         if not self.connected:
             raise BusUnavailableError(f"NATS is not reachable or the intake is not ready ({self._problem()})")
         queue: asyncio.Queue[bytes] = asyncio.Queue()
@@ -199,7 +210,13 @@ class GatewayBus:
 
         subscription = await self._nc.subscribe(self.subjects.events(request.request_id), cb=on_event)
         try:
-            await self._publish(request, headers)
+            if publish:
+                await self._publish(request, headers)
+            else:
+                try:  # subscribed on the server before the caller reads Redis (else its poll finds the end)
+                    await self._nc.flush(timeout=PUBLISH_TIMEOUT_S)
+                except (nats.errors.Error, TimeoutError) as exc:
+                    logger.debug("following %s: flush failed (%s)", request.request_id, exc)
             sequencer = EventSequencer(contiguous=request.stream)
             while not sequencer.done:
                 try:

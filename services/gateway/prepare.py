@@ -5,11 +5,18 @@ the settings or the model, the SLO from the ``SloEstimator``), turns ``max_token
 (``shared.generation``: rounded up to the block, at most the model's longest canvas and
 ``DLS_GATEWAY_MAX_GEN_LENGTH``; the request carries the cap itself so the answer is cut there), and
 checks what the schema cannot: prompt plus canvas against the model's context, text the tokenizer
-cannot encode, the number of chat messages. Every refusal is an ``ApiError`` naming the field.
+cannot encode, the number of chat messages, fields that must agree (``best_of`` and ``n``,
+``top_logprobs`` and ``logprobs``). Every refusal is an ``ApiError`` naming the field.
+
+``n`` choices are ``n`` requests in the cluster (as vLLM fans a request with ``n`` out into child
+requests): choice 0 keeps the request id and the client's ``seed``, choice i gets ``<id>-<i>`` and a
+seed derived from the client's (``choice_seed``), so ``n`` samples differ and a request repeated with
+the same seed gets the same ``n`` answers.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import uuid
 from dataclasses import dataclass
@@ -37,15 +44,47 @@ def new_request_id() -> str:
 class PreparedRequest:
     """A request ready to submit, and what the answer needs that the wire message does not carry."""
 
-    request: CompletionRequest  # what goes on the intake
+    request: CompletionRequest  # what goes on the intake (choice 0)
     model: ServedModel  # the model that serves it
     prompt_text: str  # the prompt as the model sees it (chat messages joined or templated)
     chat: bool  # answer as chat.completion(.chunk)
     include_progress: bool  # stream `event: progress` lines
+    include_usage: bool = False  # stream a last chunk with `choices: []` and the usage
+    choices: tuple[CompletionRequest, ...] = ()  # one request per choice (n), choice 0 first
+    answer_id: str = ""  # the response's id ("": choice 0's request id)
 
     @property
     def request_id(self) -> str:
         return self.request.request_id
+
+    @property
+    def response_id(self) -> str:
+        """The answer's ``id``: the request id, of which choice i's requests are ``<id>-<i>`` when n > 1."""
+        return self.answer_id or self.request.request_id
+
+    @property
+    def choice_requests(self) -> tuple[CompletionRequest, ...]:
+        return self.choices or (self.request,)
+
+    def with_requests(self, requests: tuple[CompletionRequest, ...], answer_id: str | None = None) -> PreparedRequest:
+        """The same answer built around other requests (the owner set, or the ones a retry joins)."""
+        return dataclasses.replace(self, request=requests[0], choices=requests,
+                                   answer_id=self.answer_id if answer_id is None else answer_id)
+
+
+SEED_STRIDE = 0x9E3779B97F4A7C15  # odd: choice seeds of one client seed are distinct
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of choice ``index`` of a request sent with ``seed`` (choice 0: the seed itself)."""
+    if seed is None or index == 0:
+        return seed
+    return (seed + index * SEED_STRIDE) % (1 << 63)
+
+
+def choice_id(request_id: str, index: int, num_choices: int) -> str:
+    """The cluster's request id of choice ``index`` (the response id itself when there is one choice)."""
+    return request_id if num_choices == 1 else f"{request_id}-{index}"
 
 
 class RequestPreparer:
@@ -76,14 +115,29 @@ class RequestPreparer:
             raise invalid(prompt_field, f"{prompt_field} ({len(prompt_ids)} tokens) plus the canvas ({gen_length} "
                           f"tokens, from max_tokens) exceeds the model's context of {model.max_sequence_length} "
                           "tokens", "context_length_exceeded")
+        self._check_agreement(body)
         cache_mode = CacheMode(body.cache)
         slo_ms = body.slo_ms or self._default_slo_ms(len(prompt_ids), gen_length, block_length, cache_mode)
-        request = CompletionRequest(
-            request_id=request_id, prompt_token_ids=prompt_ids, gen_length=gen_length, block_length=block_length,
-            max_tokens=body.answer_cap, ignore_eos=body.ignore_eos, cache_mode=cache_mode, slo_ms=slo_ms, min_threshold=body.min_threshold, priority=body.priority,
-            seed=body.seed, arrival_time=now, stream=body.stream, model=model.name,
-        )
-        return PreparedRequest(request, model, prompt_text, chat, body.stream and body.include_progress)
+        n = body.num_choices
+        choices = tuple(CompletionRequest(
+            request_id=choice_id(request_id, i, n), prompt_token_ids=prompt_ids, gen_length=gen_length,
+            block_length=block_length, max_tokens=body.answer_cap, ignore_eos=body.ignore_eos, cache_mode=cache_mode,
+            slo_ms=slo_ms, min_threshold=body.min_threshold, priority=body.priority, seed=choice_seed(body.seed, i),
+            temperature=body.temperature or 0.0, top_p=body.top_p or 1.0, top_k=max(body.top_k or 0, 0),
+            logprobs=body.num_top_logprobs, stop=body.stop_strings, arrival_time=now, stream=body.stream,
+            model=model.name,
+        ) for i in range(n))
+        return PreparedRequest(choices[0], model, prompt_text, chat, body.stream and body.include_progress,
+                               body.stream and body.include_usage, choices, request_id)
+
+    @staticmethod
+    def _check_agreement(body: CompletionBody | ChatCompletionBody) -> None:
+        if isinstance(body, CompletionBody):
+            if body.best_of is not None and body.n is not None and body.best_of != body.n:
+                raise invalid("best_of", f"best_of ({body.best_of}) must equal n ({body.n}): every sample is "
+                              "returned, none is ranked away")
+        elif body.top_logprobs and not body.logprobs:
+            raise invalid("top_logprobs", "top_logprobs needs logprobs: true")
 
     def _prompt_text(self, body: CompletionBody | ChatCompletionBody, model: ServedModel) -> tuple[str, bool]:
         if isinstance(body, CompletionBody):

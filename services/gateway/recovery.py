@@ -55,7 +55,9 @@ class TrackedEvents:
 
     def __init__(self, events: AsyncIterator[RequestEvent], request_id: str,
                  lookup: Callable[[str], Awaitable[RequestEvent | None]], poll_s: float,
-                 release: Callable[[], None] = lambda: None) -> None:
+                 release: Callable[[], None] = lambda: None, check_first: bool = False) -> None:
+        """``check_first``: look in Redis at once, before waiting (a retry joining a request that may have
+        finished already: its final event went out before this gateway listened)."""
         self._events = events
         self.request_id = request_id
         self._lookup = lookup
@@ -63,6 +65,7 @@ class TrackedEvents:
         self._release = release
         self._pending: asyncio.Future | None = None
         self._closed = False
+        self._check_now = check_first
         self.num_recovered = 0  # terminal events built from Redis
 
     def __aiter__(self) -> TrackedEvents:
@@ -72,7 +75,10 @@ class TrackedEvents:
         while True:
             if self._pending is None:
                 self._pending = asyncio.ensure_future(anext(self._events))
-            done, _ = await asyncio.wait({self._pending}, timeout=self.poll_s)
+            check_now, self._check_now = self._check_now, False
+            if check_now:
+                await asyncio.sleep(0)  # let the subscription be made before Redis is read
+            done, _ = await asyncio.wait({self._pending}, timeout=0 if check_now else self.poll_s)
             if done:
                 pending, self._pending = self._pending, None
                 return pending.result()  # StopAsyncIteration, BusUnavailableError pass through

@@ -1,13 +1,16 @@
 """The HTTP API's request and response bodies (OpenAI's shapes plus DiLaServe's fields).
 
-What clients routinely send is accepted: every field of OpenAI's API at its default or no-op value
-(``top_p: 1``, ``stop: null``, ``presence_penalty: 0``, ``logprobs: false``, ``best_of: 1``, ...),
-``max_completion_tokens`` for ``max_tokens``, chat content as a list of text parts, and the
-extensions benchmark clients send (``ignore_eos``, ``repetition_penalty: 1``, ``min_tokens: 0``).
-A value DiLaServe cannot honour is refused with a 400 naming the field and saying why, and so is a
-field the API does not define (a typo there would otherwise be silently ignored). Wrong types and
+What clients routinely send is accepted: sampling (``temperature``, ``top_p``, ``top_k``, ``seed``),
+``n`` choices (``best_of`` as ``n``), ``stop`` strings, ``logprobs`` / ``top_logprobs`` (the
+probability each token was committed with), every other field of OpenAI's API at its default or
+no-op value (``presence_penalty: 0``, ``echo: false``, ...), ``max_completion_tokens`` for
+``max_tokens``, chat content as a list of text parts, and the extensions benchmark clients send
+(``ignore_eos``, ``repetition_penalty: 1``, ``min_tokens: 0``). A value DiLaServe cannot honour is
+refused with a 400 naming the field and saying why, and so is a field the API does not define (a
+typo there would otherwise be silently ignored: refused, not accepted with a warning). Wrong types and
 out-of-range values are refused the same way. Limits that depend on the served model or the settings
-(the context length, the number of messages) are checked when the request is prepared
+(the context length, the number of messages) and checks across fields (``best_of`` against ``n``,
+``top_logprobs`` without ``logprobs``) are made when the request is prepared
 (``services.gateway.prepare``).
 """
 
@@ -19,6 +22,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_PRIORITY = 2**31 - 1  # priorities are 32-bit signed integers
 MAX_SEED = 2**63 - 1  # seeds are non-negative 64-bit signed integers
+MAX_CHOICES = 16  # most choices (n) per request: each is a request of its own in the cluster
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit (services.worker.sampling.MAX_TOP_LOGPROBS)
+MAX_STOP_STRINGS = 16  # most stop strings per request
+MAX_STOP_CHARS = 256  # longest stop string
 
 CacheName = Literal["none", "prefix", "dual"]
 
@@ -39,8 +46,10 @@ class StreamOptions(_Strict):
 
     include_progress: bool = Field(False, description="also send `event: progress` lines: step, threshold, "
                                                       "instance and the canvas with masks as '_'")
-    include_usage: bool = Field(True, description="accepted for OpenAI clients; the final chunk always has usage")
-    continuous_usage_stats: bool = Field(False, description="accepted for vLLM clients (usage comes at the end)")
+    include_usage: bool = Field(False, description="a last chunk before [DONE] with `choices: []` and the usage; "
+                                "no other chunk carries usage")
+    continuous_usage_stats: bool = Field(False, description="accepted for vLLM clients (usage comes only in the "
+                                         "last chunk, with include_usage)")
 
 
 class _GenerationFields(_Strict):
@@ -64,16 +73,19 @@ class _GenerationFields(_Strict):
     priority: int = Field(0, ge=-MAX_PRIORITY - 1, le=MAX_PRIORITY, description="larger is more important")
     block_length: int | None = Field(None, ge=1, description="semi-autoregressive block length; default: the model's")
     cache: CacheName = Field("dual", description="approximate KV cache: none, prefix or dual")
-    n: int | None = Field(None, description="choices per request: only 1")
-    temperature: float | None = Field(None, description="only 0: decoding is greedy")
-    top_p: float | None = Field(None, description="only 1 (no nucleus cut): decoding is greedy")
-    top_k: int | None = Field(None, description="only -1 or 0 (no cut): decoding is greedy")
+    n: int | None = Field(None, ge=1, le=MAX_CHOICES, description="choices (samples) per request; default 1")
+    temperature: float | None = Field(None, ge=0.0, le=2.0, description="sampling temperature; 0 or null: "
+                                      "greedy (the engine's argmax)")
+    top_p: float | None = Field(None, gt=0.0, le=1.0, description="nucleus sampling: the smallest set of tokens "
+                                "whose probability reaches top_p; 1 or null: no cut")
+    top_k: int | None = Field(None, ge=-1, description="sample among the k most likely tokens; -1, 0 or null: all")
     min_p: float | None = Field(None, description="only 0")
     presence_penalty: float | None = Field(None, description="only 0: no penalties are applied")
     frequency_penalty: float | None = Field(None, description="only 0: no penalties are applied")
     repetition_penalty: float | None = Field(None, description="only 1 (vLLM's no-op value)")
     min_tokens: int | None = Field(None, description="only 0 (vLLM's no-op value)")
-    stop: str | list[str] | None = Field(None, description="only null, '' or []: stop sequences are not supported")
+    stop: str | list[str] | None = Field(None, description=f"up to {MAX_STOP_STRINGS} strings: the answer ends "
+                                         "before the first one (finish_reason 'stop'); empty strings are ignored")
     logit_bias: dict[str, float] | None = Field(None, description="only null or {}")
     user: str | None = Field(None, max_length=256, description="end-user id (ignored)")
     metadata: dict[str, str] | None = Field(None, description="accepted, ignored")
@@ -81,30 +93,10 @@ class _GenerationFields(_Strict):
     service_tier: str | None = Field(None, description="accepted, ignored")
     skip_special_tokens: bool = Field(True, description="only true: special tokens never appear in the text")
 
-    @field_validator("n")
-    @classmethod
-    def _one_choice(cls, n: int | None) -> int | None:
-        return _only("n", n, (1,), "one choice per request")
-
-    @field_validator("temperature")
-    @classmethod
-    def _greedy(cls, temperature: float | None) -> float | None:
-        return _only("temperature", temperature, (0,), "the engine decodes greedily (temperature 0)")
-
-    @field_validator("top_p")
-    @classmethod
-    def _no_nucleus(cls, top_p: float | None) -> float | None:
-        return _only("top_p", top_p, (1,), "the engine decodes greedily (top_p 1)")
-
-    @field_validator("top_k")
-    @classmethod
-    def _no_top_k(cls, top_k: int | None) -> int | None:
-        return _only("top_k", top_k, (-1, 0), "the engine decodes greedily (top_k -1 or 0)")
-
     @field_validator("min_p")
     @classmethod
     def _no_min_p(cls, min_p: float | None) -> float | None:
-        return _only("min_p", min_p, (0,), "the engine decodes greedily (min_p 0)")
+        return _only("min_p", min_p, (0,), "the sampler has no min_p cut (0); use top_p or top_k")
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
@@ -123,9 +115,12 @@ class _GenerationFields(_Strict):
 
     @field_validator("stop")
     @classmethod
-    def _no_stop(cls, stop: str | list[str] | None) -> str | list[str] | None:
-        if stop:
-            raise ValueError("stop sequences are not supported (null, '' or [] only): answers end at EOS")
+    def _stop_strings(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        strings = [stop] if isinstance(stop, str) else stop or []
+        if len(strings) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(strings)}")
+        if any(len(s) > MAX_STOP_CHARS for s in strings):
+            raise ValueError(f"a stop string is longer than {MAX_STOP_CHARS} characters")
         return stop
 
     @field_validator("logit_bias")
@@ -149,30 +144,49 @@ class _GenerationFields(_Strict):
     def include_progress(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_progress
 
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def stop_strings(self) -> list[str]:
+        """The non-empty stop strings, in order, without repeats."""
+        strings = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        return list(dict.fromkeys(s for s in strings if s))
+
+    @property
+    def num_choices(self) -> int:
+        return self.n or 1
+
+    @property
+    def num_top_logprobs(self) -> int | None:
+        """None: no logprobs; k: each answer token's logprob and its k likeliest alternatives."""
+        return None
+
 
 class CompletionBody(_GenerationFields):
     """POST /v1/completions."""
 
     prompt: str = Field(min_length=1, description="the prompt: a string, or a list with exactly one string")
-    logprobs: int | None = Field(None, description="only null or 0: log probabilities are not returned")
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="return each token's logprob (the "
+                                 "probability the model committed it with) and this many likeliest alternatives")
     echo: bool = Field(False, description="only false: the prompt is not repeated in the answer")
-    best_of: int | None = Field(None, description="only 1 (one choice per request)")
+    best_of: int | None = Field(None, ge=1, le=MAX_CHOICES, description="taken as n (the choices are not ranked): "
+                                "must equal n when both are set")
     suffix: str | None = Field(None, description="only null: no insertion after the answer")
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, logprobs: int | None) -> int | None:
-        return _only("logprobs", logprobs, (0,), "log probabilities are not returned")
+    @property
+    def num_choices(self) -> int:
+        return self.n or self.best_of or 1
+
+    @property
+    def num_top_logprobs(self) -> int | None:
+        return self.logprobs
 
     @field_validator("echo")
     @classmethod
     def _no_echo(cls, echo: bool) -> bool:
         return _only("echo", echo, (False,), "the prompt is not repeated in the answer")
-
-    @field_validator("best_of")
-    @classmethod
-    def _one_best(cls, best_of: int | None) -> int | None:
-        return _only("best_of", best_of, (1,), "one choice per request")
 
     @field_validator("suffix")
     @classmethod
@@ -238,22 +252,18 @@ class ChatCompletionBody(_GenerationFields):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1, description="the conversation so far")
-    logprobs: bool | None = Field(None, description="only false: log probabilities are not returned")
-    top_logprobs: int | None = Field(None, description="only null or 0")
+    logprobs: bool | None = Field(None, description="return each token's logprob: the probability the model "
+                                  "committed it with")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS, description="and this many likeliest "
+                                     "alternatives per token (needs logprobs: true)")
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = Field(None, description="only null or []: no tool calls")
     tool_choice: str | None = Field(None, description="only null or 'none'")
     parallel_tool_calls: bool | None = Field(None, description="accepted, ignored (no tool calls)")
 
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, logprobs: bool | None) -> bool | None:
-        return _only("logprobs", logprobs, (False,), "log probabilities are not returned")
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def _no_top_logprobs(cls, top: int | None) -> int | None:
-        return _only("top_logprobs", top, (0,), "log probabilities are not returned")
+    @property
+    def num_top_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @field_validator("tools")
     @classmethod
@@ -287,10 +297,38 @@ class UsageInfo(BaseModel):
     slo_met: bool = Field(description="latency within the SLO")
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy logprobs of a completion choice: per token, its text, logprob (of the probability
+    the model committed it with), likeliest alternatives and offset in the choice's text."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None = Field(description="per token: alternative -> logprob "
+                                                        "(null when logprobs is 0)")
+    text_offset: list[int]
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = Field(description="the token's UTF-8 bytes")
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    """OpenAI's chat logprobs: one entry per token of the content."""
+
+    content: list[ChatTokenLogprob] | None
+    refusal: list[ChatTokenLogprob] | None = None
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -311,6 +349,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 
@@ -331,6 +370,7 @@ class ChatDelta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 
 

@@ -46,12 +46,15 @@ def test_gateway_scheduler_and_worker_serve_completions_and_streams(nats_server,
 
                 problem = TaskGenerator(seed=21).problems(1, max_shots=2, split=Split.HELD_OUT)[0]
                 stream = await http.post("/v1/completions", json={
-                    "model": "dls-tiny", "prompt": problem.prompt, "stream": True, "cache": "dual"})
+                    "model": "dls-tiny", "prompt": problem.prompt, "stream": True, "cache": "dual",
+                    "stream_options": {"include_usage": True}})
                 assert stream.status_code == 200 and stream.headers["content-type"].startswith("text/event-stream")
                 chunks = data_chunks(stream.text)
                 assert chunks[-1] == "[DONE]"
                 texts = [c["choices"][0]["text"] for c in chunks[:-1] if c["choices"] and c["choices"][0]["text"]]
                 final = [c for c in chunks[:-1] if c["choices"] and c["choices"][0].get("finish_reason")][-1]
+                final = {**final, "usage": chunks[-2]["usage"]}  # the usage chunk: the last before [DONE]
+                assert chunks[-2]["choices"] == [] and "usage" not in chunks[-3]
                 text = "".join(texts)
                 assert texts and final["usage"]["steps"] >= len(texts)  # one chunk per completed block at most
                 history = await http.get(f"/v1/requests/{final['id']}")

@@ -71,7 +71,7 @@ def test_a_migrated_request_is_one_trace_across_gateway_scheduler_and_both_worke
             async with httpx.AsyncClient(transport=transport, base_url="http://gateway", timeout=60) as http:
                 await _wait_ready(http)
                 body = {"model": "dls-tiny", "prompt": problem.prompt, "stream": True, "cache": "none",
-                        "max_tokens": 32, "block_length": 8}
+                        "max_tokens": 32, "block_length": 8, "stream_options": {"include_usage": True}}
                 drained: list[str] = []  # the instance that ran the first step
 
                 async def on_event(msg) -> None:  # after the first step: drain the worker holding the request
@@ -86,9 +86,7 @@ def test_a_migrated_request_is_one_trace_across_gateway_scheduler_and_both_worke
                 await subscription.unsubscribe()
                 assert reply.status_code == 200, reply.text
                 rid = reply.headers["x-request-id"]
-                final = [c for c in data_chunks(reply.text)[:-1]
-                         if c["choices"] and c["choices"][0].get("finish_reason")][-1]
-                usage = final["usage"]
+                usage = [c for c in data_chunks(reply.text)[:-1] if c.get("usage")][-1]["usage"]
                 assert usage["migrations"] >= 1 and len(usage["instances"]) == 2, usage
                 scraped = await http.get("/metrics")
             with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as scrape:

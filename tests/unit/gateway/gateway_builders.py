@@ -99,12 +99,21 @@ class FakeBus:
         self.submitted: list[CompletionRequest] = []
         self.headers: list[dict[str, str] | None] = []
         self.cancelled: list[tuple[str, str]] = []  # (request id, reason)
+        self.followed: list[CompletionRequest] = []  # requests a retry joined
         self.records: dict[str, tuple[RequestRecord, list[StepRecord]]] = {}  # request id -> stored state
         self.state = Readiness(True, True, [heartbeat()])
 
     async def submit(self, request: CompletionRequest, headers: dict[str, str] | None = None):
         self.submitted.append(request)
         self.headers.append(headers)
+        if self.hang:
+            await asyncio.Event().wait()
+        for event in self.script(request):
+            yield event
+
+    async def follow(self, request: CompletionRequest):
+        """A retry joining ``request``: its scripted events again (as a later subscriber would hear them)."""
+        self.followed.append(request)
         if self.hang:
             await asyncio.Event().wait()
         for event in self.script(request):
@@ -134,6 +143,8 @@ def sse_events(body: str) -> list[tuple[str, str]]:
     for block in body.split("\n\n"):
         if not block.strip():
             continue
+        if all(line.startswith(":") for line in block.split("\n")):
+            continue  # a comment (keep-alive)
         name, data = "message", []
         for line in block.split("\n"):
             field, _, value = line.partition(": ")

@@ -11,7 +11,9 @@ import pytest
 from starlette.requests import Request
 
 from services.gateway.answers import DONE
+from services.gateway.app import ChoiceEvents
 from services.gateway.bus import Readiness
+from services.gateway.recovery import TrackedEvents
 from services.gateway.schemas import CompletionBody
 from shared.generation import read_generation_limits
 from shared.messages.base import CacheMode, StepKind
@@ -115,8 +117,11 @@ def test_what_sdks_and_benchmark_clients_send_is_accepted():
 
 
 @pytest.mark.parametrize("field, value, named", [
-    ("presence_penalty", 0.5, "no penalties"), ("top_p", 0.9, "greedily"), ("n", 2, "one choice"),
-    ("stop", ["\n"], "stop sequences"), ("logprobs", 3, "log probabilities"), ("best_of", 4, "one choice"),
+    ("presence_penalty", 0.5, "no penalties"), ("frequency_penalty", -1.0, "no penalties"),
+    ("repetition_penalty", 1.2, "no penalties"), ("min_p", 0.1, "min_p"), ("echo", True, "prompt"),
+    ("suffix", "x", "insertion"), ("min_tokens", 3, "EOS"), ("top_p", 0.0, "greater than 0"),
+    ("temperature", 2.5, "less than or equal to 2"), ("n", 17, "less than or equal to 16"),
+    ("logprobs", 21, "less than or equal to 20"), ("stop", ["x"] * 17, "at most 16"),
 ])
 def test_values_the_engine_cannot_honour_are_refused_naming_the_field(field, value, named):
     test_client, _ = client()
@@ -144,23 +149,31 @@ def test_chat_completion_joins_messages_and_answers_as_chat():
     answer = response.json()
     assert answer["object"] == "chat.completion"
     assert answer["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "4"},
-                                  "finish_reason": "stop"}]
+                                  "logprobs": None, "finish_reason": "stop"}]
     assert set(answer["usage"]) == USAGE_KEYS
 
 
-def test_stream_sends_one_chunk_per_delta_then_usage_then_done():
+@pytest.mark.parametrize("stream_options", [None, {}, {"include_usage": False}, {"include_usage": True}])
+def test_stream_sends_one_chunk_per_delta_then_usage_only_when_asked_then_done(stream_options):
     test_client, bus = client(bus=FakeBus(answer_script("42", finish_reason="length")))
-    response = test_client.post("/v1/completions", json={"model": MODEL, "prompt": "1+1=", "stream": True})
+    body = {"model": MODEL, "prompt": "1+1=", "stream": True}
+    if stream_options is not None:
+        body["stream_options"] = stream_options
+    response = test_client.post("/v1/completions", json=body)
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/event-stream")
     assert bus.submitted[0].stream
     chunks = data_chunks(response.text)
     assert response.text.endswith(DONE) and chunks[-1] == "[DONE]"
-    texts = [chunk["choices"][0]["text"] for chunk in chunks[:-1]]
-    assert texts == ["4", "2", ""]
+    with_usage = bool(stream_options and stream_options.get("include_usage"))
+    answer_chunks = chunks[:-2] if with_usage else chunks[:-1]
+    assert [chunk["choices"][0]["text"] for chunk in answer_chunks] == ["4", "2", ""]
     assert all(chunk["id"] == bus.submitted[0].request_id for chunk in chunks[:-1])
-    assert [chunk["choices"][0]["finish_reason"] for chunk in chunks[:-1]] == [None, None, "length"]
-    assert "usage" not in chunks[0] and set(chunks[-2]["usage"]) == USAGE_KEYS
+    assert [chunk["choices"][0]["finish_reason"] for chunk in answer_chunks] == [None, None, "length"]
+    assert all("usage" not in chunk for chunk in answer_chunks)
+    if with_usage:  # OpenAI's and vLLM's shape: a last chunk with no choices and the usage
+        assert chunks[-2]["choices"] == [] and set(chunks[-2]["usage"]) == USAGE_KEYS
+        assert chunks[-2]["usage"]["completion_tokens"] == 2
     assert all(name == "message" for name, _ in sse_events(response.text))  # no progress lines unless asked
 
 
@@ -187,7 +200,7 @@ def test_chat_stream_carries_the_role_first():
     assert [c["object"] for c in chunks[:-1]] == ["chat.completion.chunk"] * 3
     assert [c["choices"][0]["delta"] for c in chunks[:-1]] == [{"role": "assistant", "content": "4"},
                                                                {"content": "2"}, {}]
-    assert chunks[-2]["choices"][0]["finish_reason"] == "stop" and "usage" in chunks[-2]
+    assert chunks[-2]["choices"][0]["finish_reason"] == "stop" and "usage" not in chunks[-2]
 
 
 def test_stream_sends_text_whose_progress_was_lost_before_the_final_chunk():
@@ -233,13 +246,17 @@ def test_failure_after_the_stream_started_is_an_error_chunk_then_done():
     assert bus.cancelled == []
 
 
-def test_timeout_is_504_with_the_request_id_and_does_not_cancel():
+def test_timeout_is_504_with_the_request_id_and_cancels_it():
     test_client, bus = client(bus=FakeBus(hang=True), request_timeout_s=0.2)
     response = test_client.post("/v1/completions", json={"model": MODEL, "prompt": "1+1="})
     assert response.status_code == 504
     request_id = bus.submitted[0].request_id
-    assert f"/v1/requests/{request_id}" in response.json()["error"]["message"]
-    assert bus.cancelled == []
+    assert request_id in response.json()["error"]["message"]
+    assert bus.cancelled == [(request_id, "timed out")]  # no retry key: no one can join it, no orphan work
+
+
+async def _no_record(request_id: str):
+    return None
 
 
 def _gateway(bus: FakeBus):
@@ -254,9 +271,10 @@ def test_stream_cancels_the_request_when_the_client_leaves():
     async def main():
         body = CompletionBody(model=MODEL, prompt="1+1=", stream=True)
         prepared = gateway.preparer.prepare(body, "cmpl-" + "a" * 32, time.time())
-        events = bus.submit(prepared.request)
+        events = ChoiceEvents([TrackedEvents(bus.submit(prepared.request), prepared.request_id,
+                                             _no_record, 10.0)])
         first = await anext(events)
-        stream = gateway._stream(prepared, first, events, asyncio.get_running_loop().time() + 10)
+        stream = gateway._stream(prepared, first, events, asyncio.get_running_loop().time() + 10, None)
         assert (await anext(stream)).startswith("data: ")  # the first delta
         await stream.aclose()  # the client went away
 

@@ -30,7 +30,12 @@ def assert_error(response, status: int, param: str | None) -> dict:
 
 
 @pytest.mark.parametrize(("changes", "param"), [
-    ({"top_p": 0.5}, "top_p"),  # unknown field
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_k": -2}, "top_k"),
+    ({"logprobs": -1}, "logprobs"),
+    ({"best_of": 2, "n": 3}, "best_of"),  # best_of is n: every sample is returned
+    ({"stop": [1]}, "stop"),
     ({"prompt": "1" * 500, "max_tokens": 16}, "prompt"),  # over the model's 512-token context
     ({"slo_ms": -5}, "slo_ms"),
     ({"slo_ms": 0}, "slo_ms"),
@@ -41,8 +46,8 @@ def assert_error(response, status: int, param: str | None) -> dict:
     ({"cache": "full"}, "cache"),
     ({"min_threshold": 1.5}, "min_threshold"),
     ({"min_threshold": -0.1}, "min_threshold"),
-    ({"temperature": 0.7}, "temperature"),
-    ({"n": 2}, "n"),
+    ({"temperature": -0.1}, "temperature"),
+    ({"n": 0}, "n"),
     ({"block_length": 0}, "block_length"),
     ({"priority": "high"}, "priority"),
     ({"prompt": ""}, "prompt"),
