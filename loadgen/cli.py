@@ -3,6 +3,7 @@
     dls loadgen --url http://127.0.0.1:8000 --rate 2 --num-requests 100 --json runs/load.json --plot runs/load.png
     dls loadgen --trace tests/data/burstgpt_sample.csv --time-scale 10 --trace-model GPT-4 --json runs/trace.json
     dls loadgen --trace tests/data/AzureLLMInferenceTrace_conv_first10min.csv --target-rate 3 --num-requests 300
+    dls loadgen --endpoint chat --rates 0.5,1,2,4 --goodput ttft:1000 tpot:100 e2el:5000 --json runs/sweep.json
 """
 
 from __future__ import annotations
@@ -24,10 +25,15 @@ def register(subparsers) -> None:
     p.add_argument("--url", default="http://127.0.0.1:8000", help="the gateway's base URL")
     p.add_argument("--api-key", default=os.environ.get("DLS_API_KEY"), help="Bearer key (default: DLS_API_KEY)")
     p.add_argument("--model", default="dls-tiny", help="the served model's name")
+    p.add_argument("--endpoint", default="completions", choices=("completions", "chat"),
+                   help="/v1/completions, or /v1/chat/completions (the prompt as one user message)")
     g = p.add_argument_group("arrivals")
     g.add_argument("--arrival", default=None, choices=("poisson", "gamma", "constant", "ramp"),
                    help="arrival process (default poisson; --trace replays a trace file instead)")
     g.add_argument("--rate", type=float, default=1.0, help="mean requests per second (poisson, gamma, constant)")
+    g.add_argument("--rates", default=None, metavar="R1,R2,...",
+                   help="a sweep: one run per rate, in order (with --trace: per target rate); the JSON holds "
+                        "every run's report under 'sweep'")
     g.add_argument("--num-requests", type=int, default=None,
                    help="requests to send (at most; default 100, or every row of a --trace)")
     g.add_argument("--duration", type=float, default=None, help="stop arrivals after this many seconds")
@@ -68,6 +74,9 @@ def register(subparsers) -> None:
     g.add_argument("--no-stream", action="store_true", help="plain JSON answers (no TTFT, TPOT, ITL)")
     g.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
     g.add_argument("--warmup", type=int, default=0, help="send this many requests first (not reported)")
+    g.add_argument("--goodput", nargs="+", action="extend", default=[], metavar="KEY:MS",
+                   help="vLLM's goodput constraints (ttft, tpot, e2el in ms): goodput counts the completed "
+                        "requests per second that meet all of them (default: each request's own SLO)")
     g.add_argument("--json", default=None, help="write the report here")
     g.add_argument("--plot", default=None, help="write a PNG figure here")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -100,7 +109,90 @@ def spec_from_args(args):
     )
 
 
+def _rates(args) -> list[float] | None:
+    if args.rates is None:
+        return None
+    try:
+        rates = [float(r) for r in args.rates.split(",") if r.strip()]
+    except ValueError:
+        raise CliError(f"--rates {args.rates!r}: expected comma-separated requests per second") from None
+    if not rates or any(r <= 0 for r in rates):
+        raise CliError(f"--rates {args.rates!r}: every rate must be positive")
+    return rates
+
+
+def _goodput(args) -> dict[str, float]:
+    from loadgen.report import GoodputError, parse_goodput
+
+    try:
+        constraints = parse_goodput(args.goodput)
+    except GoodputError as exc:
+        raise CliError(str(exc)) from None
+    if args.no_stream and {"ttft", "tpot"} & set(constraints):
+        raise CliError("--goodput ttft/tpot: TTFT needs streamed answers; drop --no-stream")
+    return constraints
+
+
 def cmd_loadgen(args) -> int:
+    rates = _rates(args)
+    goodput = _goodput(args)
+    if rates is None:
+        report = _one_run(args, goodput)
+        if report is None:
+            return 0
+        _write(args, report, args.plot)
+        return 0
+    reports = []
+    for rate in rates:
+        if args.trace:
+            args.target_rate = rate
+        else:
+            args.rate = rate
+        print(f"rate {rate:g} req/s", file=sys.stderr)
+        report = _one_run(args, goodput)
+        if report is None:
+            continue  # a dry run: each rate's plan printed
+        report["rate_rps"] = rate
+        reports.append(report)
+    if args.dry_run:
+        return 0
+    from loadgen.report import sweep_table
+
+    print(sweep_table(reports), file=sys.stderr)
+    summary = {"endpoint": args.endpoint, "rates": rates, "goodput_constraints_ms": goodput or None,
+               "goodput": [r["goodput"] for r in reports], "sweep": reports}
+    _write(args, summary, None)
+    if args.plot:
+        from loadgen.plot import plot_report
+
+        stem, suffix = os.path.splitext(args.plot)
+        for report in reports:
+            plot_report(report, f"{stem}-{report['rate_rps']:g}{suffix or '.png'}")
+    return 0
+
+
+def _write(args, report: dict, plot: str | None) -> None:
+    text = json.dumps(_without_rows(report), indent=1)
+    print(text)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    if plot:
+        from loadgen.plot import plot_report
+
+        plot_report(report, plot)
+
+
+def _without_rows(report: dict) -> dict:
+    """The report without the per-request rows (what is printed)."""
+    out = {k: v for k, v in report.items() if k != "requests"}
+    if "sweep" in out:
+        out["sweep"] = [_without_rows(r) for r in out["sweep"]]
+    return out
+
+
+def _one_run(args, goodput: dict[str, float]) -> dict | None:
+    """Plan and run (None: a dry run, printed)."""
     import dataclasses
 
     from loadgen.workload import WorkloadError, plan_load, write_burstgpt
@@ -121,36 +213,27 @@ def cmd_loadgen(args) -> int:
     if args.dry_run:
         print(json.dumps([{"arrival_s": p.arrival_s, "max_tokens": p.max_tokens, "slo_ms": p.slo_ms,
                            "slo_class": p.slo_class, "prompt_chars": len(p.prompt)} for p in plan]))
-        return 0
+        return None
     config = {k: v for k, v in vars(args).items() if k not in ("func", "api_key")}
     config["spec"] = {k: list(v) if isinstance(v, tuple) and k == "trace_models" else v
                       for k, v in dataclasses.asdict(spec).items() if k != "slo_classes"}
     config["spec"]["slo_classes"] = [dataclasses.asdict(c) for c in spec.slo_classes]
     # a trace: the mean rate replayed, the trace's own over the same requests, and the factor between them
     config.update(replayed_rps=load.rate_rps, trace_native_rps=load.trace_native_rps, scale=load.scale)
-    report = run(args, plan, config)
+    report = run(args, plan, config, goodput)
     from loadgen.report import headline
 
     print(headline(report), file=sys.stderr)
-    text = json.dumps({k: v for k, v in report.items() if k != "requests"}, indent=1)
-    print(text)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
-    if args.plot:
-        from loadgen.plot import plot_report
-
-        plot_report(report, args.plot)
-    return 0
+    return report
 
 
-def run(args, plan, config: dict) -> dict:
+def run(args, plan, config: dict, goodput: dict[str, float] | None = None) -> dict:
     """Warm-up (if asked), then the plan; the report."""
     from loadgen.driver import poisson_plan, run_plan
     from loadgen.report import build_report
 
     common = dict(model=args.model, cache=args.cache, timeout_s=args.timeout, stream=not args.no_stream,
-                  max_concurrency=args.max_concurrency, api_key=args.api_key)
+                  max_concurrency=args.max_concurrency, api_key=args.api_key, endpoint=args.endpoint)
     if args.warmup > 0:
         warmup = poisson_plan(2.0, args.warmup, slo_ms=60_000.0, max_tokens=args.gen_len, seed=args.seed + 1)
         asyncio.run(run_plan(args.url, warmup[: args.warmup], **common))
@@ -176,4 +259,4 @@ def run(args, plan, config: dict) -> dict:
             bar.close()
     first_sent = min((r.sent_s for r in results), default=0.0)
     duration = time.perf_counter() - start - first_sent
-    return build_report(results, duration, config=config)
+    return build_report(results, duration, config=config, goodput=goodput, endpoint=args.endpoint)

@@ -4,8 +4,11 @@ the answers before it did, and record what came back.
 Requests are task prompts (``shared.tasks``), so every answer is checked; a request may instead carry
 a free-text prompt (ShareGPT-style), which has no reference answer. ``run_plan`` sends a plan (plain
 JSON answers, or ``stream=True`` for server-sent events, which times the first committed block as
-TTFT), optionally capped at ``max_concurrency`` requests in flight. ``summarize`` is the short report
-``bench/live_overload.py`` prints; ``loadgen.report`` has the full one in vLLM's metric names.
+TTFT), optionally capped at ``max_concurrency`` requests in flight, to ``/v1/completions`` or, with
+``endpoint="chat"``, ``/v1/chat/completions`` (the prompt as one user message, which the served
+model's chat template turns into the same prompt). Streams ask for the usage chunk
+(``stream_options.include_usage``). ``summarize`` is the short report ``bench/live_overload.py``
+prints; ``loadgen.report`` has the full one in vLLM's metric names.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import httpx
 import numpy as np
 
 from shared.tasks import Family, Problem, Split, TaskGenerator, check_answer
+
+ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}  # --endpoint -> path
 
 
 @dataclass(frozen=True)
@@ -37,14 +42,19 @@ class PlannedRequest:
     def prompt(self) -> str:
         return self.problem.prompt if self.problem is not None else self.text
 
-    def body(self, model: str, cache: str | None, stream: bool) -> dict:
-        """The ``/v1/completions`` body."""
-        body = {"model": model, "prompt": self.prompt, "max_tokens": self.max_tokens}
+    def body(self, model: str, cache: str | None, stream: bool, endpoint: str = "completions") -> dict:
+        """The ``/v1/completions`` body (``endpoint="chat"``: the ``/v1/chat/completions`` one)."""
+        if endpoint == "chat":
+            body = {"model": model, "messages": [{"role": "user", "content": self.prompt}],
+                    "max_completion_tokens": self.max_tokens}
+        else:
+            body = {"model": model, "prompt": self.prompt, "max_tokens": self.max_tokens}
         optional = {"slo_ms": self.slo_ms, "cache": cache, "block_length": self.block_length,
                     "min_threshold": self.min_threshold, "priority": self.priority or None}
         body.update({k: v for k, v in optional.items() if v is not None})
         if stream:
             body["stream"] = True
+            body["stream_options"] = {"include_usage": True}
         return body
 
 
@@ -101,7 +111,7 @@ def poisson_plan(rate_rps: float, duration_s: float, *, slo_ms: float | None, ma
 
 async def run_plan(base_url: str, plan: list[PlannedRequest], *, model: str = "dls-tiny", cache: str | None = "dual",
                    timeout_s: float = 120.0, progress=None, stream: bool = False, max_concurrency: int | None = None,
-                   api_key: str | None = None) -> list[Result]:
+                   api_key: str | None = None, endpoint: str = "completions") -> list[Result]:
     """Send every planned request at its time (open loop); return the results in plan order.
 
     ``max_concurrency``: a request due while that many are in flight waits for one to finish (its
@@ -124,7 +134,7 @@ async def run_plan(base_url: str, plan: list[PlannedRequest], *, model: str = "d
                 result.sent_s = time.perf_counter() - start
                 send = _send_stream if stream else _send_plain
                 try:
-                    await send(client, planned.body(model, cache, stream), result)
+                    await send(client, planned.body(model, cache, stream, endpoint), result, endpoint)
                 except (httpx.HTTPError, ValueError, KeyError, IndexError) as exc:
                     result.error = f"{type(exc).__name__}: {exc}"[:200]
             finally:
@@ -137,25 +147,32 @@ async def run_plan(base_url: str, plan: list[PlannedRequest], *, model: str = "d
         return list(await asyncio.gather(*(one(p) for p in plan)))
 
 
-async def _send_plain(client: httpx.AsyncClient, body: dict, result: Result) -> None:
+def _text(choice: dict) -> str:
+    """A choice's text: completions' ``text``, chat's ``message.content`` or a chunk's ``delta.content``."""
+    if "text" in choice:
+        return choice["text"] or ""
+    return (choice.get("message") or choice.get("delta") or {}).get("content") or ""
+
+
+async def _send_plain(client: httpx.AsyncClient, body: dict, result: Result, endpoint: str = "completions") -> None:
     sent = time.perf_counter()
-    reply = await client.post("/v1/completions", json=body)
+    reply = await client.post(ENDPOINTS[endpoint], json=body)
     result.latency_s = time.perf_counter() - sent
     result.status = reply.status_code
     result.request_id = reply.headers.get("x-request-id", "")
     data = reply.json()
     if reply.status_code == 200:
-        result.text = data["choices"][0]["text"]
+        result.text = _text(data["choices"][0])
         result.usage = data.get("usage") or {}
         result.request_id = data.get("id", result.request_id)
     else:
         result.error = str(data.get("error", {}).get("message", data))[:200]
 
 
-async def _send_stream(client: httpx.AsyncClient, body: dict, result: Result) -> None:
+async def _send_stream(client: httpx.AsyncClient, body: dict, result: Result, endpoint: str = "completions") -> None:
     """Server-sent events: TTFT at the first chunk with text, E2E at ``[DONE]``."""
     sent = time.perf_counter()
-    async with client.stream("POST", "/v1/completions", json=body) as reply:
+    async with client.stream("POST", ENDPOINTS[endpoint], json=body) as reply:
         result.status = reply.status_code
         result.request_id = reply.headers.get("x-request-id", "")
         if reply.status_code != 200:
@@ -176,7 +193,7 @@ async def _send_stream(client: httpx.AsyncClient, body: dict, result: Result) ->
                 continue
             if "choices" not in chunk:
                 continue  # a progress line's data
-            text = chunk["choices"][0].get("text") or ""
+            text = _text(chunk["choices"][0]) if chunk["choices"] else ""  # the usage chunk has none
             if text:
                 now = time.perf_counter() - sent
                 if not texts:
@@ -188,7 +205,7 @@ async def _send_stream(client: httpx.AsyncClient, body: dict, result: Result) ->
         result.latency_s = time.perf_counter() - sent
         result.text = "".join(texts)
         if not result.usage and not result.error:
-            result.error = "the stream ended without a final chunk"
+            result.error = "the stream ended without its usage chunk"
 
 
 def summarize(results: list[Result], duration_s: float) -> dict:

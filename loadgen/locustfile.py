@@ -46,7 +46,8 @@ class DiLaServeUser(HttpUser):
     @task
     def completion(self) -> None:
         problem = self.tasks_gen.problem(5, Split.HELD_OUT)
-        body = {"model": MODEL, "prompt": problem.prompt, "max_tokens": MAX_TOKENS, "stream": True}
+        body = {"model": MODEL, "prompt": problem.prompt, "max_tokens": MAX_TOKENS, "stream": True,
+                "stream_options": {"include_usage": True}}
         if SLO_MS:
             body["slo_ms"] = SLO_MS
         if CACHE:

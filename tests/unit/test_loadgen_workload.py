@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from loadgen.driver import Result
-from loadgen.report import build_report
+from loadgen.report import GoodputError, build_report, parse_goodput
 from loadgen.workload import LoadSpec, WorkloadError, build_plan, parse_slo_class, plan_load, write_burstgpt
 from shared.cli import main
 from sim.workload import WorkloadConfig, generate
@@ -170,3 +170,46 @@ def test_report_names_and_values():
     assert report["mean_ttft_ms"] == pytest.approx(600.0) and report["median_e2el_ms"] == pytest.approx(1250.0)
     assert report["thresholds_used"] == {"0.7": 2, "0.9": 4} and report["mean_itl_ms"] == pytest.approx(300.0)
     assert math.isclose(report["request_throughput"], 1.0) and len(report["requests"]) == 3
+
+
+def test_goodput_counts_the_requests_within_every_constraint_as_vllm_does():
+    plan = build_plan(LoadSpec(num_requests=3, slo_ms=1000.0))
+    fast = Result(plan[0], status=200, latency_s=0.5, ttft_s=0.1, usage={"completion_tokens": 5})  # TPOT 100 ms
+    slow_tokens = Result(plan[1], status=200, latency_s=0.9, ttft_s=0.1, usage={"completion_tokens": 3})  # TPOT 400
+    failed = Result(plan[2], status=500, latency_s=0.1, error="x")
+    results = [fast, slow_tokens, failed]
+    assert build_report(results, 1.0)["goodput"] == 2.0  # no constraints: the requests' own SLO (1 s)
+    report = build_report(results, 1.0, goodput=parse_goodput(["ttft:200", "tpot:150"]), endpoint="chat")
+    assert report["goodput"] == report["request_goodput"] == 1.0 and report["slo_goodput"] == 2.0
+    assert report["goodput_constraints_ms"] == {"ttft": 200.0, "tpot": 150.0} and report["endpoint"] == "chat"
+    assert build_report(results, 1.0, goodput={"e2el": 600.0})["goodput"] == 1.0
+    assert build_report([Result(plan[0], status=200, latency_s=0.5, usage={"completion_tokens": 5})], 1.0,
+                        goodput={"ttft": 1e6})["goodput"] == 0.0  # not streamed: no TTFT, not good
+    for bad in (["ttfb:100"], ["ttft"], ["ttft:fast"], ["e2el:0"]):
+        with pytest.raises(GoodputError, match="--goodput"):
+            parse_goodput(bad)
+
+
+def test_chat_bodies_and_streams_ask_for_the_usage_chunk():
+    planned = build_plan(LoadSpec(num_requests=1, slo_ms=1000.0))[0]
+    chat = planned.body("dls-tiny", "dual", stream=True, endpoint="chat")
+    assert chat["messages"] == [{"role": "user", "content": planned.prompt}] and "prompt" not in chat
+    assert chat["max_completion_tokens"] == planned.max_tokens and chat["stream_options"] == {"include_usage": True}
+    plain = planned.body("dls-tiny", None, stream=False)
+    assert plain["prompt"] == planned.prompt and "stream_options" not in plain and "cache" not in plain
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--rates", "1,x"], "--rates '1,x': expected"), (["--rates", "1,0"], "every rate must be positive"),
+    (["--no-stream", "--goodput", "ttft:100"], "drop --no-stream"), (["--goodput", "itl:5"], "KEY:MILLISECONDS"),
+])
+def test_cli_refuses_bad_rates_and_constraints_it_cannot_measure(capsys, argv, message):
+    with pytest.raises(SystemExit):
+        main(["loadgen", "--dry-run", *argv])
+    assert message in capsys.readouterr().err
+
+
+def test_cli_sweep_plans_one_run_per_rate(capsys):
+    assert main(["loadgen", "--dry-run", "--rates", "1,4", "--duration", "5", "--goodput", "e2el:900"]) == 0
+    plans = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
+    assert len(plans) == 2 and len(plans[1]) > len(plans[0])  # four times the rate: more arrivals in 5 s
