@@ -36,6 +36,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from shared.generation import Answer, answer_of
 from shared.messages.base import CacheMode, ConfidenceStats, StepKind
+from shared.messages.events import TokenLogprobs
 from shared.redis_target import parse_redis_url, sentinel_client
 
 logger = logging.getLogger("dls.state")
@@ -69,6 +70,19 @@ class RequestRecord(msgspec.Struct, frozen=True, kw_only=True):
     def answer(self, eos_id: int | None) -> Answer:
         """The answer of a finished canvas: up to the first EOS, cut at ``max_tokens``, ended before a stop string."""
         return answer_of(self.canvas, eos_id, self.max_tokens, self.ignore_eos, self.stop_length)
+
+    def token_logprobs(self, first: int, end: int) -> TokenLogprobs | None:
+        """What the tokens at canvas positions ``first`` .. ``end`` - 1 were committed with, when the
+        request asked for logprobs (None otherwise)."""
+        if self.logprobs is None:
+            return None
+        probs = [*self.confidences, *[0.0] * self.gen_length][first:end]
+        top_ids: list[list[int]] = []
+        top_probs: list[list[float]] = []
+        if self.logprobs:
+            top_ids = [*self.top_token_ids, *[[]] * self.gen_length][first:end]
+            top_probs = [*self.top_probs, *[[]] * self.gen_length][first:end]
+        return TokenLogprobs(probs=probs, top_token_ids=top_ids, top_probs=top_probs)
 
     request_id: str  # the request
     version: int = 0  # stored version this copy was read at (0: never stored)

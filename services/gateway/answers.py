@@ -262,7 +262,8 @@ def request_info(record: RequestRecord, steps: Sequence[StepRecord], codec: Text
     return RequestInfo(
         id=record.request_id, status=record.status.name.lower(), model=record.model,
         prompt=codec.decode(record.prompt_token_ids), canvas=codec.render_canvas(record.canvas),
-        output=codec.decode(record.canvas) if finished else None, finish_reason=record.finish_reason or None,
+        output=codec.decode(record.answer(_eos_id(codec)).token_ids) if finished else None,
+        finish_reason=record.finish_reason or None,
         gen_length=record.gen_length, block_length=record.block_length, cache=str(record.cache_mode.value),
         priority=record.priority, min_threshold=record.min_threshold, max_threshold=record.max_threshold,
         num_committed=record.num_committed, thresholds=list(record.threshold_history),
@@ -273,6 +274,10 @@ def request_info(record: RequestRecord, steps: Sequence[StepRecord], codec: Text
         slo_met=None if not finished or record.finished_at is None else record.finished_at <= record.deadline,
         detail=record.detail,
     )
+
+
+def _eos_id(codec: TextCodec) -> int | None:
+    return getattr(getattr(codec, "tokenizer", None), "eos_token_id", None)
 
 
 def step_info(step: StepRecord) -> StepInfo:

@@ -38,7 +38,8 @@ def event_from_record(record: RequestRecord, codec) -> RequestEvent | None:
                       slo_met=latency * 1000.0 <= record.slo_ms)
         return RequestFinished(request_id=record.request_id, seq=record.num_steps + 2,
                                text=codec.decode([t for t in tokens if t != record.mask_token_id]),
-                               token_ids=tokens, finish_reason=record.finish_reason or "stop", usage=usage)
+                               token_ids=tokens, finish_reason=record.finish_reason or "stop", usage=usage,
+                               logprobs=record.token_logprobs(0, len(tokens)))
     if record.status == RequestStatus.CANCELLED:
         reason = FailureReason.CANCELLED
     elif record.status == RequestStatus.REJECTED:

@@ -538,7 +538,7 @@ class WorkerService:
             finished = RequestFinished(
                 request_id=record.request_id, seq=record.num_steps + 2, text=self._text(tokens),
                 token_ids=tokens, finish_reason=record.finish_reason or "stop", usage=usage,
-                logprobs=token_logprobs(record, 0, len(tokens)),
+                logprobs=record.token_logprobs(0, len(tokens)),
             )
             await self.nc.publish(subject, codec.encode(finished, limit))
 
@@ -556,23 +556,10 @@ class WorkerService:
         released_before = stream_release(len(before), record.stop, finished=False)
         released = max(stream_release(len(tokens), record.stop, outcome.finished), released_before)
         text = self._text(tokens[:released])[len(self._text(tokens[:released_before])):]
-        return text, tokens[released_before:released], token_logprobs(record, released_before, released)
+        return text, tokens[released_before:released], record.token_logprobs(released_before, released)
 
     def _text(self, ids: list[int]) -> str:
         return self.engine.decode([i for i in ids if i != self.engine.mask_id])
-
-
-def token_logprobs(record: RequestRecord, first: int, end: int) -> TokenLogprobs | None:
-    """What the answer tokens at canvas positions ``first`` .. ``end`` - 1 were committed with, when the
-    request asked for logprobs (None otherwise)."""
-    if record.logprobs is None:
-        return None
-    probs = [*record.confidences, *[0.0] * record.gen_length][first:end]
-    top_ids, top_probs = [], []
-    if record.logprobs:
-        top_ids = [*record.top_token_ids, *[[]] * record.gen_length][first:end]
-        top_probs = [*record.top_probs, *[[]] * record.gen_length][first:end]
-    return TokenLogprobs(probs=probs, top_token_ids=top_ids, top_probs=top_probs)
 
 
 def worker_clock(offset_s: float) -> Callable[[], float]:

@@ -235,3 +235,24 @@ def test_gateway_serving_metrics_carry_the_model_name():
                  "dls_gateway_e2e_request_latency_seconds"):
         assert f'{name}_count{{model_name="{MODEL}"}}' in text, name
     assert f'dls_gateway_e2e_request_latency_seconds_count{{model_name="{MODEL}"}} 2.0' in text
+
+
+def test_an_answer_recovered_from_redis_keeps_its_stop_cut_and_logprobs():
+    import msgspec
+
+    from services.gateway.answers import request_info
+    from services.gateway.models import load_served_model
+    from services.gateway.recovery import event_from_record
+    from tests.unit.gateway.gateway_builders import MODEL_DIR
+    from tests.unit.gateway.test_gateway_security import _record
+
+    codec = load_served_model(str(MODEL_DIR)).codec
+    record = msgspec.structs.replace(_record("r", text="4242"), stop=["24"], stop_length=1, logprobs=1,
+                                     confidences=[0.9, 0.8, 0.7, 0.6, 1.0, 1.0],
+                                     top_token_ids=[[7, 8]] * 6, top_probs=[[0.9, 0.1]] * 6)
+    finished = event_from_record(record, codec)
+    assert (finished.text, finished.token_ids) == ("4", TOKENIZER.encode("4"))  # ended before "24"
+    assert finished.logprobs.probs == [0.9] and finished.logprobs.top_token_ids == [[7, 8]]
+    assert request_info(record, [], codec).output == "4"
+    plain = event_from_record(_record("r", text="42"), codec)
+    assert plain.logprobs is None  # not asked for
