@@ -30,6 +30,10 @@ def test_loadgen_replays_the_burstgpt_sample_and_reports(nats_server, redis_serv
         poisson_json = tmp_path / "poisson.json"
         assert main(["loadgen", "--url", url, "--rate", "4", "--num-requests", "4", "--max-concurrency", "2", "--no-stream",
                      "--json", str(poisson_json), "--no-progress"]) == 0
+        sweep_json = tmp_path / "sweep.json"
+        assert main(["loadgen", "--url", url, "--endpoint", "chat", "--rates", "2,4", "--num-requests", "3",
+                     "--goodput", "ttft:600000", "tpot:600000", "e2el:600000", "--json", str(sweep_json),
+                     "--no-progress"]) == 0
 
     report = json.loads(trace_json.read_text())
     rows = report["requests"]
@@ -46,3 +50,13 @@ def test_loadgen_replays_the_burstgpt_sample_and_reports(nats_server, redis_serv
     poisson = json.loads(poisson_json.read_text())
     assert poisson["completed"] + poisson["failed"] == 4 and poisson["config"]["rate"] == 4
     assert all(poisson[name] is not None for name in ("slo_attainment", "request_throughput", "median_e2el_ms"))
+
+    sweep = json.loads(sweep_json.read_text())
+    assert sweep["endpoint"] == "chat" and sweep["rates"] == [2.0, 4.0] and len(sweep["sweep"]) == 2
+    assert sweep["goodput_constraints_ms"] == {"ttft": 600000.0, "tpot": 600000.0, "e2el": 600000.0}
+    for run, rate in zip(sweep["sweep"], (2.0, 4.0), strict=True):
+        assert run["rate_rps"] == rate and run["endpoint"] == "chat" and run["completed"] == 3, run["errors"]
+        assert run["goodput"] == run["request_goodput"] == pytest.approx(3 / run["duration"])  # all within
+        assert run["accuracy"] is not None and run["mean_ttft_ms"] is not None  # chat answers checked, streamed
+    assert sweep["goodput"] == [run["goodput"] for run in sweep["sweep"]]
+    assert poisson["endpoint"] == "completions" and poisson["goodput_constraints_ms"] is None
