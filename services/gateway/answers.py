@@ -185,7 +185,8 @@ class StreamFormatter:
                                 instance_id=event.instance_id,
                                 canvas=self.prepared.model.codec.render_canvas(choice.canvas.token_ids))
             chunks.append(f"event: progress\n{sse_data(info.model_dump())}")
-        if event.text_delta or event.delta_token_ids:
+        # tokens without text (EOS padding of ignore_eos) make a chunk only when their logprobs were asked for
+        if event.text_delta or (event.delta_token_ids and event.logprobs is not None):
             chunks.append(self._text_chunk(index, event.text_delta, event.delta_token_ids, event.logprobs))
         return chunks
 
