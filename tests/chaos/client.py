@@ -41,7 +41,7 @@ class Tracked:
     ids_seen: list[str] = field(default_factory=list)  # every request id the gateway gave it
     retry_429: bool = True  # send again after a 429's Retry-After (False: count it as refused)
     retry_503: bool = True  # send again after a 503's Retry-After (False: count it as refused)
-    refusals: list[tuple[int, str]] = field(default_factory=list)  # (status, Retry-After) of every 429/503
+    refusals: list[tuple[int, str, str]] = field(default_factory=list)  # (status, Retry-After, error code) of each 429/503
     sent_at: float = 0.0  # time.monotonic() of the first attempt
     done_at: float = 0.0  # time.monotonic() it became terminal (completed, refused, failed)
 
@@ -96,8 +96,7 @@ async def _stream(client: httpx.AsyncClient, url: str, tracked: Tracked, got_id:
     async with client.stream("POST", f"{url}/v1/completions", json=body(tracked.index)) as reply:
         if reply.status_code in (429, 503):
             retry = reply.headers.get("retry-after", "")
-            await reply.aread()
-            tracked.refusals.append((reply.status_code, retry))
+            tracked.refusals.append((reply.status_code, retry, _error_code(await reply.aread())))
             if reply.status_code == 429:
                 tracked.retry_after.append(retry)
             if not (tracked.retry_429 if reply.status_code == 429 else tracked.retry_503):
@@ -125,6 +124,14 @@ async def _stream(client: httpx.AsyncClient, url: str, tracked: Tracked, got_id:
                 return "failed"
             text += chunk["choices"][0].get("text") or ""
     return "broken"
+
+
+def _error_code(body: bytes) -> str:
+    """The ``error.code`` of an OpenAI-shaped error body ("" when it is not one)."""
+    try:
+        return str(json.loads(body)["error"]["code"])
+    except (ValueError, KeyError, TypeError):
+        return ""
 
 
 async def _poll(client: httpx.AsyncClient, urls: list[str], tracked: Tracked, deadline: float) -> None:

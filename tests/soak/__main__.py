@@ -82,7 +82,7 @@ async def soak(cluster: Cluster, args, rng: random.Random) -> dict:
 
 
 async def _outcomes(cluster: Cluster, load: OpenLoopLoad, finished: FinishedCounter) -> list[RequestOutcome]:
-    semaphore = asyncio.Semaphore(16)
+    semaphore = asyncio.Semaphore(32)
 
     async def one(t) -> RequestOutcome:
         duplicated = False

@@ -21,7 +21,7 @@ class RequestOutcome:
     outcome: str  # completed, refused, failed, lost
     sent_at: float
     done_at: float
-    refusals: tuple[tuple[int, str], ...] = ()  # (status, Retry-After) of each 429/503 it got
+    refusals: tuple[tuple[int, str, str], ...] = ()  # (status, Retry-After, error code) of each 429/503 it got
     accepted: bool = False  # it got a request id (generation began)
     duplicated: bool = False  # a step or position stored twice, or more than one RequestFinished
 
@@ -79,15 +79,19 @@ def summarize(requests: Sequence[RequestOutcome], faults: Sequence[Fault]) -> di
                                  "mean_s": round(sum(done) / len(done), 2) if done else None,
                                  "max_s": round(max(done), 2) if done else None}
     statuses: dict[str, int] = {}
+    reasons: dict[str, int] = {}  # "<status> <error code>" -> refused requests
     for r in refused:
         status = str(r.refusals[-1][0]) if r.refusals else "none"
         statuses[status] = statuses.get(status, 0) + 1
+        reason = f"{status} {r.refusals[-1][2] or '?'}" if r.refusals else "none"
+        reasons[reason] = reasons.get(reason, 0) + 1
     return {
         "sent": len(requests),
         "accepted": sum(r.accepted for r in requests),
         "completed": len(completed),
         "refused": len(refused),
         "refused_by_status": statuses,
+        "refused_by_reason": reasons,
         "refused_without_retry_after": sum(1 for r in refused if not r.refusals or not r.refusals[-1][1].isdigit()),
         "failed": sum(r.outcome == "failed" for r in requests),
         "lost": sum(r.outcome not in ("completed", "refused", "failed") for r in requests),

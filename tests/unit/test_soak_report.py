@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from tests.soak.report import AFTER_FAULT_S, Fault, RequestOutcome, acceptance, after_fault, percentile, summarize
+from tests.soak.report import (
+    AFTER_FAULT_S,
+    Fault,
+    RequestOutcome,
+    acceptance,
+    after_fault,
+    percentile,
+    summarize,
+)
 
 
 def done(sent: float, latency: float, **kw) -> RequestOutcome:
@@ -25,8 +33,8 @@ def test_a_request_is_after_a_fault_when_its_life_overlaps_the_window():
 
 def test_summary_counts_and_splits_latency():
     requests = [done(0.0, 1.0), done(10.0, 2.0), done(100.0, 9.0), done(200.0, 3.0, duplicated=True),
-                RequestOutcome("refused", 5.0, 5.1, refusals=((429, "2"),)),
-                RequestOutcome("refused", 6.0, 6.1, refusals=((503, ""),)),
+                RequestOutcome("refused", 5.0, 5.1, refusals=((429, "2", "deadline_infeasible"),)),
+                RequestOutcome("refused", 6.0, 6.1, refusals=((503, "", "unavailable"),)),
                 RequestOutcome("lost", 7.0, 300.0, accepted=True)]
     faults = [Fault("worker_kill", "w1", 95.0, 101.0), Fault("worker_kill", "w2", 195.0, 199.5),
               Fault("redis_failover", "redis-0", 96.0, None)]
@@ -34,6 +42,7 @@ def test_summary_counts_and_splits_latency():
     assert (report["sent"], report["completed"], report["refused"], report["lost"], report["duplicated"]) == \
         (7, 4, 2, 1, 1)
     assert report["refused_by_status"] == {"429": 1, "503": 1} and report["refused_without_retry_after"] == 1
+    assert report["refused_by_reason"] == {"429 deadline_infeasible": 1, "503 unavailable": 1}
     assert report["accepted_not_completed"] == 1
     assert report["latency_s"]["undisturbed"] == {"n": 2, "p50": 1.0, "p99": 2.0}
     assert report["latency_s"]["after_fault"] == {"n": 2, "p50": 3.0, "p99": 9.0}
