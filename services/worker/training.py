@@ -89,6 +89,11 @@ class TrainConfig:
 
 
 SEMI_AR_BLOCK_LENGTHS = (4, 8, 16, 32)  # block lengths drawn for semi-autoregressive rows
+# share of semi-autoregressive rows that decode the first block: the one state where nothing of the
+# answer is on the canvas and everything must come from the prompt (a chain's first label is the
+# query's letter); uniform masking never shows it on a long canvas, and a uniform draw of the block
+# shows it rarely, so the model learnt to read the length off visible EOS padding instead
+FIRST_BLOCK_SHARE = 0.3
 
 
 def target_ids(problem: Problem, tokenizer: CharTokenizer) -> list[int]:
@@ -156,7 +161,8 @@ def _semi_ar_block(gen_length: int, answer_length: int, generator: torch.Generat
     block_length = SEMI_AR_BLOCK_LENGTHS[int(torch.randint(len(SEMI_AR_BLOCK_LENGTHS), (1,), generator=generator))]
     num_blocks = -(-gen_length // block_length)
     last = min(num_blocks - 1, answer_length // block_length + 1)
-    block = int(torch.randint(last + 1, (1,), generator=generator))
+    first = float(torch.rand(1, generator=generator)) < FIRST_BLOCK_SHARE
+    block = 0 if first else int(torch.randint(last + 1, (1,), generator=generator))
     return block * block_length, min(gen_length, (block + 1) * block_length)
 
 
