@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.worker.engine import CacheMode, DLMEngine, RequestState, StepKind, StepResult
+from services.worker.sampling import SamplingParams
 from services.worker.loading import load_model
 from services.worker.model import DLMConfig, DLMForMaskedDiffusion
 
@@ -434,8 +435,13 @@ class TensorParallelEngine:
         block_length: int | None = None,
         cache_mode: CacheMode = CacheMode.DUAL,
         ignore_eos: bool = False,
+        sampling: SamplingParams | None = None,
+        num_top_logprobs: int = 0,
+        stop: tuple[str, ...] | list[str] = (),
+        max_tokens: int | None = None,
     ) -> RequestState:
-        return self._engine.new_request(request_id, prompt_ids, gen_length, block_length, cache_mode, ignore_eos)
+        return self._engine.new_request(request_id, prompt_ids, gen_length, block_length, cache_mode, ignore_eos,
+                                        sampling, num_top_logprobs, stop, max_tokens)
 
     def encode(self, text: str) -> list[int]:
         return self._engine.encode(text)
