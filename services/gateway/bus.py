@@ -133,9 +133,15 @@ class GatewayBus:
         return self.connected
 
     async def close(self) -> None:
-        if self._connect_task is not None and not self._connect_task.done():
-            self._connect_task.cancel()
-            await asyncio.gather(self._connect_task, return_exceptions=True)
+        task = self._connect_task
+        while task is not None and not task.done():
+            # NOTE: nats-py swallows a cancellation that lands while it tidies up a failed connection
+            # attempt (Client._close waits for its reconnection task and passes CancelledError), and then
+            # keeps trying forever: cancel again until the task is really gone
+            task.cancel()
+            await asyncio.wait({task}, timeout=0.5)
+        if task is not None:
+            await asyncio.gather(task, return_exceptions=True)
         if not self._nc.is_closed:
             await self._nc.close()
         if self._redis is not None:
