@@ -40,9 +40,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.worker.engine import CacheMode, DLMEngine, RequestState, StepKind, StepResult
-from services.worker.sampling import SamplingParams
 from services.worker.loading import load_model
 from services.worker.model import DLMConfig, DLMForMaskedDiffusion
+from services.worker.sampling import SamplingParams
 
 _HOST = "127.0.0.1"
 _START_POLL_S = 0.1  # how often rank 0 checks on children while they start
