@@ -28,40 +28,19 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from enum import IntEnum
 from typing import Protocol, runtime_checkable
 
 import msgspec
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from shared.generation import Answer, answer_of
-from shared.messages.base import CacheMode, ConfidenceStats, StepKind
+from shared.messages.base import CacheMode, ConfidenceStats, RequestStatus, StepKind
 from shared.messages.events import TokenLogprobs
 from shared.redis_target import parse_redis_url, sentinel_client
 
 logger = logging.getLogger("dls.state")
 
 DEFAULT_COMPLETED_TTL_S = 3600.0
-
-
-class RequestStatus(IntEnum):
-    """Where a request is in its life. Terminal states are >= FINISHED.
-
-    A mirror (same names and values) of ``services.scheduler.core.request.RequestStatus``, which owns
-    the transitions; ``shared`` does not import service code. A unit test keeps the two equal.
-    """
-
-    QUEUED = 0  # admitted, on no instance yet (or evicted from a removed one)
-    READY = 1  # resident on an instance between steps; its next step is not assigned yet
-    RUNNING = 2  # its next step is assigned to (or running on) the instance it lives on
-    MIGRATING = 3  # its next step is assigned to another instance; the state moves before it runs
-    FINISHED = 4
-    REJECTED = 5
-    CANCELLED = 6
-
-    @property
-    def is_terminal(self) -> bool:
-        return self >= RequestStatus.FINISHED
 
 
 class RequestRecord(msgspec.Struct, frozen=True, kw_only=True):

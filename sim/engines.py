@@ -117,13 +117,9 @@ class ModelEngine:
         return len(self._engine.encode(spec.problem.prompt))
 
     def admit(self, spec: RequestSpec, cache_mode: CacheMode) -> None:
-        from services.worker.engine import CacheMode as EngineCacheMode
-
-        mode = {CacheMode.NONE: EngineCacheMode.NONE, CacheMode.PREFIX: EngineCacheMode.PREFIX}.get(
-            cache_mode, EngineCacheMode.DUAL
-        )
         ids = self._engine.encode(spec.problem.prompt)
-        self._states[spec.request_id] = self._engine.new_request(spec.request_id, ids, spec.gen_len, spec.block_len, mode)
+        self._states[spec.request_id] = self._engine.new_request(spec.request_id, ids, spec.gen_len, spec.block_len,
+                                                                 cache_mode)
         self._specs[spec.request_id] = spec
 
     def start(self, instance_id: str, batch: list[tuple[str, float]]) -> tuple[int, list[bool]]:

@@ -9,7 +9,9 @@ import numpy as np
 
 
 @dataclass(slots=True)
-class RequestRecord:
+class SimRequestRecord:
+    """What the simulator recorded of one request (the live system's record is ``shared.state.RequestRecord``)."""
+
     request_id: str
     arrival_s: float
     slo_s: float
@@ -48,7 +50,7 @@ class Timeline:
         }
 
 
-def summarize(records: list[RequestRecord]) -> dict:
+def summarize(records: list[SimRequestRecord]) -> dict:
     """SLO attainment (rejected and unfinished count as misses), accuracy over finished requests,
     latency over finished requests."""
     n = len(records)
@@ -72,12 +74,12 @@ def summarize(records: list[RequestRecord]) -> dict:
     }
 
 
-def _by_class(records: list[RequestRecord], classes: list[str]) -> dict:
+def _by_class(records: list[SimRequestRecord], classes: list[str]) -> dict:
     # SLO class -> its attainment
     return {c: sum(r.met_slo for r in records if r.slo_class == c) / sum(r.slo_class == c for r in records) for c in classes}
 
 
-def attainment_over_time(records: list[RequestRecord], bin_s: float) -> dict:
+def attainment_over_time(records: list[SimRequestRecord], bin_s: float) -> dict:
     """SLO attainment of the requests arriving in each bin."""
     if not records:
         return {"bin_s": bin_s, "slo_attainment": []}

@@ -19,18 +19,18 @@ import numpy as np
 
 from services.reconfigurator.core.monitor import ArrivalEvent
 from services.scheduler.core import (
+    BatchOutcome,
     CacheMode,
     Decisions,
     Request,
     RequestStatus,
     SchedulingLoop,
     StepOutcome,
-    StepResult,
 )
 from sim.cluster import PendingStart, SimCluster
 from sim.engines import EngineOutcome, SimEngine
 from sim.events import EventQueue, SimEvent
-from sim.metrics import RequestRecord, Timeline
+from sim.metrics import SimRequestRecord, Timeline
 from sim.predictors import FallbackOnly, PredictionSource
 from sim.timing import StepTimer
 from sim.workload import RequestSpec
@@ -41,7 +41,7 @@ _PERIODIC = (SimEvent.SAMPLE, SimEvent.RECONFIG)  # they re-arm themselves while
 
 @dataclass
 class SimResult:
-    records: list[RequestRecord]
+    records: list[SimRequestRecord]
     timeline: Timeline
     reconfigurations: list[dict] = field(default_factory=list)
     num_events: int = 0
@@ -103,7 +103,7 @@ class Simulator:
         self.cache_mode = cache_mode
         self.sample_period_s = sample_period_s
         self.queue = _WorkCountingQueue()
-        self.records = {s.request_id: RequestRecord(s.request_id, s.arrival_s, s.slo_s, s.slo_class) for s in requests}
+        self.records = {s.request_id: SimRequestRecord(s.request_id, s.arrival_s, s.slo_s, s.slo_class) for s in requests}
         self.timeline = Timeline()
         self.reconfigurations: list[dict] = []
         self._plan_waves: dict[str, list] = {}  # plan id -> its waves not applied yet
@@ -209,7 +209,7 @@ class Simulator:
                         rid_to_prediction.get(o.request_id))
             for o in outcomes
         ]
-        decisions = self.loop.on_step_result(self.now, StepResult(instance_id, tuple(step_outcomes), duration))
+        decisions = self.loop.on_step_result(self.now, BatchOutcome(instance_id, tuple(step_outcomes), duration))
         for o in outcomes:
             if o.finished:
                 self._complete(o.request_id)

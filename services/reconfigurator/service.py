@@ -43,7 +43,7 @@ from services.reconfigurator.core.monitor import ArrivalEvent, MonitorSettings
 from services.reconfigurator.core.plan import PlacementPlan, rolling_waves
 from services.reconfigurator.core.plan import ReconfigPlan as CorePlan
 from services.reconfigurator.core.planner import PlannerOptions
-from services.reconfigurator.core.reconfigurator import Reconfigurator, StepResult
+from services.reconfigurator.core.reconfigurator import PlanningRound, Reconfigurator
 from services.reconfigurator.core.solver import SolverOptions
 from services.reconfigurator.core.spec import Cluster, Instance
 from services.reconfigurator.core.stage1 import Stage1Options
@@ -346,7 +346,7 @@ class ReconfiguratorService:
 
     # --- plans -----------------------------------------------------------------------------------
 
-    async def step(self) -> StepResult | None:
+    async def step(self) -> PlanningRound | None:
         """One period: the core's step on the current cluster; publish the plan it says to apply."""
         async with self._planning:
             waiting = self._in_flight_reason()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from services.scheduler.core.decisions import StepOutcome, StepResult
+from services.scheduler.core.decisions import BatchOutcome, StepOutcome
 from services.scheduler.core.request import Prediction, Request, RequestStatus
 from services.scheduler.core.view import ClusterView
 
@@ -28,7 +28,7 @@ class FakeEngine:
         self.tokens_per_step = tokens_per_step or DEFAULT_TOKENS_PER_STEP
         self.predict = predict  # attach a fresh (noisy) remaining-step prediction to every outcome
 
-    def run_step(self, view: ClusterView, instance_id: str) -> StepResult:
+    def run_step(self, view: ClusterView, instance_id: str) -> BatchOutcome:
         """One batched step over every request whose next step is assigned to ``instance_id``."""
         inst = view.instances[instance_id]
         outcomes = []
@@ -36,7 +36,7 @@ class FakeEngine:
             request = view.requests[rid]
             if request.status in (RequestStatus.RUNNING, RequestStatus.MIGRATING):
                 outcomes.append(self._outcome(request))
-        return StepResult(instance_id, tuple(outcomes))
+        return BatchOutcome(instance_id, tuple(outcomes))
 
     def predict_for(self, request: Request | _Progress) -> Prediction:
         """A noisy remaining-step prediction for every threshold the engine knows."""

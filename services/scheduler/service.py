@@ -39,6 +39,7 @@ from opentelemetry import context as otel_context
 from opentelemetry.trace import SpanKind
 
 from services.scheduler.core import (
+    BatchOutcome,
     CacheMode,
     Decisions,
     Prediction,
@@ -46,7 +47,6 @@ from services.scheduler.core import (
     RequestStatus,
     SchedulingLoop,
     StepOutcome,
-    StepResult,
     make_config,
     make_policy,
 )
@@ -705,7 +705,7 @@ class SchedulerService:
 
         An instance whose worker went straight on to the conditional command it held (pipelining)
         stays busy with that step instead; ``running`` gets its (request id, threshold) pairs."""
-        step_results: list[StepResult] = []
+        step_results: list[BatchOutcome] = []
         failures = []  # (instance id, failure)
         instance_ids: list[str] = []
         for worker, results, outcomes, worker_failures in collected:
@@ -732,7 +732,7 @@ class SchedulerService:
             worker.next_step_id, worker.next_sent = 0, {}
             if predictions:
                 outcomes = [dataclasses.replace(o, prediction=predictions.get(o.request_id)) for o in outcomes]
-            step_results.append(StepResult(results.instance_id, tuple(outcomes), results.duration_s))
+            step_results.append(BatchOutcome(results.instance_id, tuple(outcomes), results.duration_s))
             failures += [(results.instance_id, f) for f in worker_failures]
             instance_ids.append(results.instance_id)
         return step_results, failures, instance_ids

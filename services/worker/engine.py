@@ -51,7 +51,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import IntEnum, StrEnum
 from pathlib import Path
 
 import torch
@@ -69,21 +68,11 @@ from services.worker.kv_cache import PagedKVCache
 from services.worker.model import DLMForMaskedDiffusion
 from services.worker.sampling import MAX_TOP_LOGPROBS, SamplingParams, noise_seed, sample, top_candidates
 from shared.generation import Answer, answer_of, canvas_length, stop_length
+from shared.messages.base import CacheMode, StepKind
 
 
 class EngineError(ValueError):
     """A request the engine cannot run (bad lengths, unknown tokens, bad threshold)."""
-
-
-class CacheMode(StrEnum):
-    NONE = "none"
-    PREFIX = "prefix"
-    DUAL = "dual"
-
-
-class StepKind(IntEnum):
-    RECOMPUTE = 0  # full forward over prompt plus canvas (refreshes the cache when caching)
-    CACHE = 1  # block (dual) or block plus suffix (prefix) against the cache
 
 
 @dataclass

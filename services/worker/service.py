@@ -41,7 +41,7 @@ from opentelemetry.trace import SpanKind
 from shared.generation import answer_of, stream_release
 from shared.messages import codec
 from shared.messages.base import ConfidenceStats as WireConfidence
-from shared.messages.base import StepKind as WireStepKind
+from shared.messages.base import StepKind
 from shared.messages.control import WorkerHeartbeat, WorkerStatus
 from shared.messages.events import RequestFinished, RequestProgress, TokenLogprobs, Usage
 from shared.messages.steps import RequestStepResult, StepCommand, StepFailure, StepItem, StepResults
@@ -355,7 +355,7 @@ class WorkerService:
             record = self._advance(local.record, outcome, item, now)
             new_records.append(record)
             new_steps[item.request_id] = [StepRecord(
-                step_index=record.num_steps, instance_id=self.instance_id, kind=WireStepKind(int(outcome.kind)),
+                step_index=record.num_steps, instance_id=self.instance_id, kind=outcome.kind,
                 block_index=outcome.block_index, threshold=item.threshold,
                 committed_positions=list(outcome.committed_positions), batch_size=len(batch),
                 loaded_state=item.request_id in loaded, started_at=started, duration_s=duration,
@@ -378,7 +378,7 @@ class WorkerService:
             block_start, block_end = local.state.block_bounds(outcome.block_index)
             block_done = self.engine.mask_id not in local.state.canvas[block_start:block_end]
             results.append(RequestStepResult(
-                request_id=item.request_id, kind=WireStepKind(int(outcome.kind)), block_index=outcome.block_index,
+                request_id=item.request_id, kind=outcome.kind, block_index=outcome.block_index,
                 committed_positions=list(outcome.committed_positions),
                 committed_token_ids=list(outcome.committed_token_ids), block_done=block_done or outcome.finished,
                 finished=outcome.finished, num_steps=stored.num_steps, num_masked=outcome.num_masked,
@@ -447,7 +447,7 @@ class WorkerService:
             attributes={
                 "dls.request_id": record.request_id, "dls.instance_id": self.instance_id,
                 "dls.threshold": item.threshold, "dls.batch_size": batch_size,
-                "dls.step_kind": WireStepKind(int(outcome.kind)).name.lower(), "dls.step_index": record.num_steps,
+                "dls.step_kind": outcome.kind.name.lower(), "dls.step_index": record.num_steps,
                 "dls.tokens_committed": len(outcome.committed_positions), "dls.block_index": outcome.block_index,
                 "dls.loaded_state": loaded_state, "dls.finished": bool(outcome.finished),
                 "dls.state_version": record.version,
@@ -455,12 +455,12 @@ class WorkerService:
         span.end(end_time=start_ns + int(duration_s * 1e9))
 
     def _state_of(self, record: RequestRecord):
-        from services.worker.engine import CacheMode, RequestState
+        from services.worker.engine import RequestState
         from services.worker.sampling import SamplingParams
 
         return RequestState(
             record.request_id, list(record.prompt_token_ids), list(record.canvas), record.block_length,
-            CacheMode(record.cache_mode.value), num_steps=record.num_steps, ignore_eos=record.ignore_eos,
+            record.cache_mode, num_steps=record.num_steps, ignore_eos=record.ignore_eos,
             sampling=SamplingParams(record.temperature, record.top_p, record.top_k, record.seed),
             num_top_logprobs=record.logprobs or 0, stop=tuple(record.stop), max_tokens=record.max_tokens,
             confidences=list(record.confidences), top_token_ids=[list(ids) for ids in record.top_token_ids],
@@ -479,7 +479,7 @@ class WorkerService:
             current_block=_current_block(state, self.engine.mask_id),
             threshold_history=[*record.threshold_history, item.threshold], last_instance_id=self.instance_id,
             instance_history=history, num_migrations=record.num_migrations + int(moved),
-            num_recompute_steps=record.num_recompute_steps + int(int(outcome.kind) == int(WireStepKind.RECOMPUTE)),
+            num_recompute_steps=record.num_recompute_steps + int(outcome.kind == StepKind.RECOMPUTE),
             status=RequestStatus.RUNNING, confidences=list(state.confidences), stop_length=state.stop_length,
         )
         if record.logprobs:
@@ -493,7 +493,7 @@ class WorkerService:
 
     async def _pace(self, t0: float, outcomes, states) -> None:
         contexts = [len(s.prompt_ids) + s.gen_length for s, o in zip(states, outcomes, strict=True)
-                    if int(o.kind) == int(WireStepKind.RECOMPUTE)]  # the full forwards' tokens
+                    if o.kind == StepKind.RECOMPUTE]  # the full forwards' tokens
         num_cache = len(outcomes) - len(contexts)
         tp = self.settings.tp
         target = 0.0

@@ -11,7 +11,7 @@
 Structs only, a comment per field, enums for kinds, no logic beyond tiny properties.
 """
 
-from shared.messages.base import CacheMode, ConfidenceStats, Message, Part, StepKind
+from shared.messages.base import CacheMode, ConfidenceStats, Message, Part, RequestStatus, StepKind
 from shared.messages.codec import (
     DEFAULT_MAX_PAYLOAD_BYTES,
     CodecError,
@@ -30,6 +30,7 @@ __all__ = [
     "MessageError",
     "Part",
     "PayloadTooLargeError",
+    "RequestStatus",
     "StepKind",
     "decode",
     "encode",

@@ -1,4 +1,4 @@
-"""The two base classes of every wire struct, and the enums more than one boundary uses.
+"""The two base classes of every wire struct, and the enums more than one boundary (or core) uses.
 
 ``Message``: a top-level message on a subject. Tagged with its class name (field ``message``), so a
 subscriber can decode a union of message types and dispatch by type, and a message decoded as the
@@ -29,12 +29,8 @@ class Part(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
 
 
 class CacheMode(StrEnum):
-    """Approximate KV cache of a request (DESIGN section 4).
-
-    Same values as ``services.worker.engine.CacheMode`` and same names as
-    ``services.scheduler.core.request.CacheMode`` (convert with ``EngineCacheMode(mode.value)`` and
-    ``SchedulerCacheMode[mode.name]``); a unit test keeps the three in step.
-    """
+    """Approximate KV cache of a request (DESIGN section 4): the one definition, used by the wire,
+    the engine (``services.worker.engine``) and the scheduler core alike."""
 
     NONE = "none"  # every step is a full forward
     PREFIX = "prefix"  # recompute at each block start; cache steps run block + suffix
@@ -42,10 +38,30 @@ class CacheMode(StrEnum):
 
 
 class StepKind(IntEnum):
-    """What a denoising step computed; mirrors ``services.worker.engine.StepKind``."""
+    """What a denoising step computed (the engine reports it per request, the wire carries it)."""
 
     RECOMPUTE = 0  # full forward over prompt plus canvas (refreshes the cache when caching)
     CACHE = 1  # block (dual) or block plus suffix (prefix) against the cache
+
+
+class RequestStatus(IntEnum):
+    """Where a request is in its life. Terminal states are >= FINISHED.
+
+    The one definition: the scheduler core (which owns the transitions), the Redis record
+    (``shared.state.RequestRecord.status``) and the gateway all use it.
+    """
+
+    QUEUED = 0  # admitted, on no instance yet (or evicted from a removed one)
+    READY = 1  # resident on an instance between steps; its next step is not assigned yet
+    RUNNING = 2  # its next step is assigned to (or running on) the instance it lives on
+    MIGRATING = 3  # its next step is assigned to another instance; the state moves before it runs
+    FINISHED = 4
+    REJECTED = 5
+    CANCELLED = 6
+
+    @property
+    def is_terminal(self) -> bool:
+        return self >= RequestStatus.FINISHED
 
 
 class ConfidenceStats(Part, kw_only=True):

@@ -21,7 +21,9 @@ from .trigger import ReconfigTrigger, TriggerDecision
 
 
 @dataclass(frozen=True)
-class StepResult:
+class PlanningRound:
+    """What one planning round (``Reconfigurator.step``) decided: whether to apply, and the plan."""
+
     decision: TriggerDecision
     outcome: PlanOutcome | None  # None: nothing was solved (a plan is still in flight)
 
@@ -50,11 +52,11 @@ class Reconfigurator:
     def observe(self, event: ArrivalEvent) -> None:
         self._monitor.observe(event)
 
-    def step(self, cluster: Cluster) -> StepResult:
+    def step(self, cluster: Cluster) -> PlanningRound:
         """Plan for the current workload on ``cluster`` (running placement included) and decide."""
         pending = self._trigger.in_flight()
         if pending is not None:
-            return StepResult(
+            return PlanningRound(
                 TriggerDecision(False, f"plan {pending.plan_id} is still waiting for acknowledgement"), None
             )
         workload = self._monitor.snapshot()
@@ -62,7 +64,7 @@ class Reconfigurator:
             workload, cluster, self._profile, next(self._plan_ids), self._planner_options
         )
         decision = self._trigger.consider(outcome.plan.plan_id, outcome.plan.capacity, outcome.current)
-        return StepResult(decision, outcome)
+        return PlanningRound(decision, outcome)
 
     def acknowledge(self, plan_id: str) -> bool:
         return self._trigger.acknowledge(plan_id)

@@ -6,12 +6,12 @@ the same objects through ``SchedulingLoop``.
 
 from services.scheduler.core.base import Policy
 from services.scheduler.core.decisions import (
+    BatchOutcome,
     Decisions,
     Rejection,
     RejectReason,
     StepAssignment,
     StepOutcome,
-    StepResult,
 )
 from services.scheduler.core.events import EventKind, EventQueue
 from services.scheduler.core.loop import SchedulingLoop
@@ -36,7 +36,7 @@ __all__ = [
     "SchedulingLoop",
     "StepAssignment",
     "StepOutcome",
-    "StepResult",
+    "BatchOutcome",
     "make_config",
     "make_policy",
     "policy_names",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from services.scheduler.core.decisions import Decisions, StepResult
+from services.scheduler.core.decisions import BatchOutcome, Decisions
 from services.scheduler.core.view import AppendLog, ClusterView
 
 
@@ -24,7 +24,7 @@ class Policy(Protocol):
 
     def schedule(self, now: float, view: ClusterView) -> Decisions: ...
 
-    def on_step_result(self, now: float, result: StepResult) -> None: ...
+    def on_step_result(self, now: float, result: BatchOutcome) -> None: ...
 
 
 class LogCursor:

@@ -28,7 +28,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from services.scheduler.core.base import LogCursor
-from services.scheduler.core.decisions import Decisions, StepAssignment, StepResult
+from services.scheduler.core.decisions import BatchOutcome, Decisions, StepAssignment
 from services.scheduler.core.load import instance_token_steps_per_s
 from services.scheduler.core.request import Request, RequestStatus
 from services.scheduler.core.view import ClusterView
@@ -87,7 +87,7 @@ class DispatchPolicy:
     def on_forget(self, request_id: str, waiting_on: str | None) -> None:
         """The request left (``waiting_on``: the instance whose FIFO it was still waiting in)."""
 
-    def on_step_result(self, now: float, result: StepResult) -> None:
+    def on_step_result(self, now: float, result: BatchOutcome) -> None:
         self._touched_ids.add(result.instance_id)
 
     # the contract
@@ -230,7 +230,7 @@ class InfaasPolicy(DispatchPolicy):
         if waiting_on is not None:
             self._instance_waiting[waiting_on] -= 1
 
-    def on_step_result(self, now: float, result: StepResult) -> None:
+    def on_step_result(self, now: float, result: BatchOutcome) -> None:
         super().on_step_result(now, result)
         for outcome in result.outcomes:
             entry = self._rid_to_work.get(outcome.request_id)
@@ -321,7 +321,7 @@ class LlumnixPolicy(DispatchPolicy):
 
     # migration
 
-    def on_step_result(self, now: float, result: StepResult) -> None:
+    def on_step_result(self, now: float, result: BatchOutcome) -> None:
         super().on_step_result(now, result)
         self._num_reports += 1
         for outcome in result.outcomes:

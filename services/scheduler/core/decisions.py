@@ -63,8 +63,9 @@ class StepOutcome:
 
 
 @dataclass(frozen=True, slots=True)
-class StepResult:
-    """One instance finished one batched step."""
+class BatchOutcome:
+    """One instance finished one batched step: its requests' outcomes (the engine's per-request
+    ``StepResult``s, as the scheduler sees them)."""
 
     instance_id: str
     outcomes: tuple[StepOutcome, ...]

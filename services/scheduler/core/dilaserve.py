@@ -19,7 +19,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from services.scheduler.core.base import LogCursor
-from services.scheduler.core.decisions import Decisions, Rejection, RejectReason, StepAssignment, StepResult
+from services.scheduler.core.decisions import BatchOutcome, Decisions, Rejection, RejectReason, StepAssignment
 from services.scheduler.core.load import (
     LoadController,
     LoadTable,
@@ -37,7 +37,7 @@ from services.scheduler.core.threshold import (
     ThresholdController,
     ThresholdGrid,
 )
-from services.scheduler.core.view import ClusterView, StepKind
+from services.scheduler.core.view import ClusterView, StepCost
 
 MAX_QUEUE_MISSES = 64  # queued requests that fit nowhere before an event stops looking further
 
@@ -135,7 +135,7 @@ class DiLaServePolicy:
 
     # the two-call contract
 
-    def on_step_result(self, now: float, result: StepResult) -> None:
+    def on_step_result(self, now: float, result: BatchOutcome) -> None:
         """Nothing to keep: the step's requests come back READY and are re-planned in schedule()."""
 
     def schedule(self, now: float, view: ClusterView) -> Decisions:
@@ -300,8 +300,8 @@ class DiLaServePolicy:
         table_rows = [self.table.rid_to_row[r.request_id] for r in requests]
         hi = self.table.allowed_hi if self.config.load_control else self.table.hi
         no_cache = np.array([r.cache_mode == CacheMode.NONE for r in requests])
-        alpha_kind = np.where(no_cache, StepKind.FULL, StepKind.RECOMPUTE)
-        beta_kind = np.where(no_cache, StepKind.FULL, StepKind.CACHE)
+        alpha_kind = np.where(no_cache, StepCost.FULL, StepCost.RECOMPUTE)
+        beta_kind = np.where(no_cache, StepCost.FULL, StepCost.CACHE)
         budget = (np.array([r.deadline for r in requests]) - now) * self.config.budget_share
         alpha, beta = scratch.lat_now[alpha_kind, rows], scratch.lat_now[beta_kind, rows]
         if self.config.load_control and self.config.load_aware_batch:
@@ -342,8 +342,8 @@ class DiLaServePolicy:
         lo = int(self.table.lo[table_row])
         lat = scratch.table.lat_by_batch[:, placement.row, scratch.batch[placement.row] + 1]
         no_cache = request.cache_mode == CacheMode.NONE
-        alpha = lat[StepKind.FULL if no_cache else StepKind.RECOMPUTE]
-        beta = lat[StepKind.FULL if no_cache else StepKind.CACHE]
+        alpha = lat[StepCost.FULL if no_cache else StepCost.RECOMPUTE]
+        beta = lat[StepCost.FULL if no_cache else StepCost.CACHE]
         estimate = float(self.table.recompute[table_row, lo] * alpha + self.table.cache[table_row, lo] * beta)
         budget = request.budget(now)
         if estimate <= budget:

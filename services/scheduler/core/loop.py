@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from services.scheduler.core.base import Policy
-from services.scheduler.core.decisions import Decisions, StepAssignment, StepResult
+from services.scheduler.core.decisions import BatchOutcome, Decisions, StepAssignment
 from services.scheduler.core.request import Prediction, Request, RequestStatus
 from services.scheduler.core.view import ClusterView
 
@@ -42,12 +42,12 @@ class SchedulingLoop:
             self.view.add_request(request)
         return self._schedule(now)
 
-    def on_step_result(self, now: float, result: StepResult) -> Decisions:
+    def on_step_result(self, now: float, result: BatchOutcome) -> Decisions:
         self.view.apply_step_result(now, result)
         self.policy.on_step_result(now, result)
         return self._schedule(now)
 
-    def on_step_results(self, now: float, results: list[StepResult]) -> Decisions:
+    def on_step_results(self, now: float, results: list[BatchOutcome]) -> Decisions:
         """Several step results that arrived together: each recorded in order, one scheduling pass.
 
         Equivalent to ``on_step_result`` for a single result; for several, the policy re-plans all
@@ -62,7 +62,7 @@ class SchedulingLoop:
     def continue_steps(
         self,
         now: float,
-        results: list[StepResult],
+        results: list[BatchOutcome],
         min_remaining_tokens: int,
         running: Mapping[str, Sequence[tuple[str, float]]] | None = None,
     ) -> Continuation:

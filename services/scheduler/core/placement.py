@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from services.scheduler.core.request import CacheMode, Request
-from services.scheduler.core.view import InstanceTable, StepKind, step_kind
+from services.scheduler.core.view import InstanceTable, StepCost, step_cost
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +74,7 @@ class Placer:
 
     def place_new(self, scratch: PlacementScratch, request: Request) -> Placement | None:
         """A queued request: the fastest instance that can take it, or None."""
-        found = self._best(scratch, step_kind(request), request.context_tokens, -1)
+        found = self._best(scratch, step_cost(request), request.context_tokens, -1)
         return None if found is None else Placement(found[0], found[1], False)
 
     def place_resident(self, scratch: PlacementScratch, request: Request, row: int, alive: bool) -> Placement | None:
@@ -85,7 +85,7 @@ class Placer:
         while every other instance is draining too, would never end); None only if its instance is
         gone.
         """
-        kind = step_kind(request)
+        kind = step_cost(request)
         if not alive:
             found = self._best(scratch, kind, request.context_tokens, row)
             if found is None:
@@ -107,9 +107,9 @@ class Placer:
         config = self.config
         if not config.migration:
             return [True] * len(requests)
-        kinds = [StepKind.FULL if r.cache_mode == CacheMode.NONE else StepKind.RECOMPUTE for r in requests]
+        kinds = [StepCost.FULL if r.cache_mode == CacheMode.NONE else StepCost.RECOMPUTE for r in requests]
         tokens = min((r.context_tokens for r in requests), default=0)
-        would_move: dict[StepKind, bool] = {}
+        would_move: dict[StepCost, bool] = {}
         for kind in set(kinds):
             found = self._best(scratch, kind, tokens, row)
             would_move[kind] = found is not None and found[1] < float(scratch.lat_now[kind, row]) * (1.0 - config.margin)
@@ -126,7 +126,7 @@ class Placer:
             return False
         return request.num_steps_done - request.last_migration_step >= config.cooldown_steps
 
-    def _best(self, scratch: PlacementScratch, kind: StepKind, tokens: int, exclude_row: int) -> tuple[int, float] | None:
+    def _best(self, scratch: PlacementScratch, kind: StepCost, tokens: int, exclude_row: int) -> tuple[int, float] | None:
         latency = scratch.lat_next[kind]
         if exclude_row >= 0 or (scratch.mem_free < tokens).any():
             latency = np.where(scratch.mem_free >= tokens, latency, np.inf)

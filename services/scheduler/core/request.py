@@ -1,5 +1,9 @@
 """Request bookkeeping: one lifecycle enum, monotone counters, transitions in one place.
 
+``RequestStatus`` and ``CacheMode`` are the wire contract's (``shared.messages.base``): one
+definition each, shared with the engine, the Redis record and the gateway; the transitions between
+statuses live here.
+
 Only ``ClusterView`` (``view.py``) calls the transition methods here; policies read requests and
 return decisions, they never change a request themselves.
 """
@@ -8,32 +12,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from enum import IntEnum
 
-
-class RequestStatus(IntEnum):
-    """Where a request is in its life. Terminal states are >= FINISHED."""
-
-    QUEUED = 0  # admitted, on no instance yet (or evicted from a removed one)
-    READY = 1  # resident on an instance between steps; its next step is not assigned yet
-    RUNNING = 2  # its next step is assigned to (or running on) the instance it lives on
-    MIGRATING = 3  # its next step is assigned to another instance; the state moves before it runs
-    FINISHED = 4
-    REJECTED = 5
-    CANCELLED = 6
-
-    @property
-    def is_terminal(self) -> bool:
-        return self >= RequestStatus.FINISHED
-
-
-class CacheMode(IntEnum):
-    """Approximate KV cache of the engine (DESIGN section 4)."""
-
-    NONE = 0  # every step is a full forward
-    PREFIX = 1  # recompute at each block start, cache steps run block + suffix
-    DUAL = 2  # recompute at each block start, cache steps run only the block
-
+from shared.messages.base import CacheMode, RequestStatus
 
 # status -> statuses it may move to
 _ALLOWED_MOVES: dict[RequestStatus, frozenset[RequestStatus]] = {

@@ -16,23 +16,24 @@ from enum import IntEnum
 
 import numpy as np
 
-from services.scheduler.core.decisions import Decisions, StepAssignment, StepResult
+from services.scheduler.core.decisions import BatchOutcome, Decisions, StepAssignment
 from services.scheduler.core.request import CacheMode, Prediction, Request, RequestStatus
 from shared.profiles import LatencyProfile
 
 
-class StepKind(IntEnum):
-    """Row of the latency tables."""
+class StepCost(IntEnum):
+    """Which latency a step costs: the row of the latency tables. Not the engine's ``StepKind``
+    (what a step computed): a step with no cache is a full forward that writes no KV (``FULL``)."""
 
     FULL = 0  # no cache
     RECOMPUTE = 1  # block start with a cache (alpha)
     CACHE = 2  # cache step (beta)
 
 
-def step_kind(request: Request) -> StepKind:
+def step_cost(request: Request) -> StepCost:
     if request.cache_mode == CacheMode.NONE:
-        return StepKind.FULL
-    return StepKind.RECOMPUTE if request.num_block_steps == 0 else StepKind.CACHE
+        return StepCost.FULL
+    return StepCost.RECOMPUTE if request.num_block_steps == 0 else StepCost.CACHE
 
 
 @dataclass(slots=True)
@@ -54,10 +55,10 @@ class InstanceView:
     def batch(self) -> int:
         return len(self.resident_ids)
 
-    def latency(self, kind: StepKind, batch: float) -> float:
-        if kind == StepKind.FULL:
+    def latency(self, kind: StepCost, batch: float) -> float:
+        if kind == StepCost.FULL:
             return self.profile.full(self.tp, batch)
-        return self.profile.step_latency(self.tp, batch, kind == StepKind.RECOMPUTE)
+        return self.profile.step_latency(self.tp, batch, kind == StepCost.RECOMPUTE)
 
 
 class InstanceTable:
@@ -84,7 +85,7 @@ class InstanceTable:
         self.max_batch[row] = inst.max_batch
         self.mem_limit[row] = inst.mem_limit_tokens
         self.mem_free[row] = inst.mem_limit_tokens
-        for kind in StepKind:
+        for kind in StepCost:
             for b in range(1, inst.max_batch + 1):
                 self.lat_by_batch[kind, row, b] = inst.latency(kind, b)
         self.refresh(row, 0)
@@ -310,7 +311,7 @@ class ClusterView:
             self._assign(self.requests[assignment.request_id], assignment)
         self._trim_queue()
 
-    def apply_step_result(self, now: float, result: StepResult) -> None:
+    def apply_step_result(self, now: float, result: BatchOutcome) -> None:
         """Advance every request of a finished step; finished ones leave their instance."""
         for outcome in result.outcomes:
             request = self.requests.get(outcome.request_id)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import enum
 import importlib
 import pkgutil
 from typing import Any
@@ -70,7 +69,3 @@ def make_record(request_id: str = "r1", arrival_time: float = 1000.0, gen_length
     )
     fields.update(overrides)
     return RequestRecord(**fields)
-
-
-def enum_members(cls: type[enum.Enum]) -> dict[str, Any]:
-    return {m.name: m.value for m in cls}

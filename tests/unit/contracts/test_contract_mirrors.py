@@ -1,6 +1,9 @@
 """The wire and state schemas mirror the cores' types; these tests fail when either side drifts.
 
-The cores are read with ``ast`` rather than imported, so the contract tests stay free of torch.
+Only structs that differ on purpose are mirrored (a core's dataclass and its wire struct); the enums
+every side uses (``StepKind``, ``CacheMode``, ``RequestStatus``) are defined once, in
+``shared.messages.base`` (``test_one_definition.py``). The cores are read with ``ast`` rather than
+imported, so the contract tests stay free of torch.
 """
 
 from __future__ import annotations
@@ -11,16 +14,13 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from shared.messages.base import CacheMode, ConfidenceStats, StepKind
+from shared.messages.base import ConfidenceStats
 from shared.messages.control import Arrival, InstanceSlot, NodePlan
 from shared.messages.predictor import PredictionQuery, RemainingSteps, StepPrediction
 from shared.messages.steps import RequestStepResult
-from shared.state import RequestStatus
-from tests.unit.contracts.contract_builders import enum_members
 
 ROOT = Path(__file__).resolve().parents[3]
 ENGINE = ROOT / "services/worker/engine.py"
-SCHED_REQUEST = ROOT / "services/scheduler/core/request.py"
 PREDICTOR = ROOT / "services/predictor/core/predictor.py"
 PLAN = ROOT / "services/reconfigurator/core/plan.py"
 SPEC = ROOT / "services/reconfigurator/core/spec.py"
@@ -37,12 +37,6 @@ def _class(path: Path, name: str) -> ast.ClassDef:
 def core_fields(path: Path, name: str) -> set[str]:
     """Annotated fields of a dataclass / NamedTuple."""
     return {i.target.id for i in _class(path, name).body if isinstance(i, ast.AnnAssign)}
-
-
-def core_members(path: Path, name: str) -> dict[str, object]:
-    """Members of an enum: name -> literal value."""
-    return {i.targets[0].id: ast.literal_eval(i.value) for i in _class(path, name).body
-            if isinstance(i, ast.Assign) and isinstance(i.targets[0], ast.Name)}
 
 
 def fields(struct: type[msgspec.Struct]) -> set[str]:
@@ -72,16 +66,3 @@ def test_step_result_has_the_engine_fields_plus_block_done_the_state_version_and
 
 def test_instance_slot_is_the_planner_instance_without_its_node():
     assert fields(InstanceSlot) == core_fields(SPEC, "Instance") - {"node"}
-
-
-def test_request_status_mirrors_the_scheduler():
-    assert enum_members(RequestStatus) == core_members(SCHED_REQUEST, "RequestStatus")
-
-
-def test_step_kind_mirrors_the_engine():
-    assert enum_members(StepKind) == core_members(ENGINE, "StepKind")
-
-
-def test_cache_mode_has_engine_values_and_scheduler_names():
-    assert enum_members(CacheMode) == core_members(ENGINE, "CacheMode")
-    assert set(enum_members(CacheMode)) == set(core_members(SCHED_REQUEST, "CacheMode"))

@@ -5,12 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from services.scheduler.core import (
+    BatchOutcome,
     CacheMode,
     ClusterView,
     Prediction,
     Request,
     StepOutcome,
-    StepResult,
 )
 from shared.profiles import LatencyProfile
 
@@ -49,8 +49,8 @@ def uniform_prediction(steps: dict[float, tuple[int, int]], made_at_step: int = 
     return Prediction(dict(steps), made_at_step)
 
 
-def step_result(instance_id: str, *outcomes: StepOutcome) -> StepResult:
-    return StepResult(instance_id, tuple(outcomes))
+def step_result(instance_id: str, *outcomes: StepOutcome) -> BatchOutcome:
+    return BatchOutcome(instance_id, tuple(outcomes))
 
 
 def outcome(rid: str, num: int = 1, block_done: bool = False, finished: bool = False, recompute: bool = False):
