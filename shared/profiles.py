@@ -24,6 +24,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -89,6 +90,23 @@ class LatencyProfile:
 
     def step_latency(self, tp: int, batch: float, recompute: bool) -> float:
         return self.alpha(tp, batch) if recompute else self.beta(tp, batch)
+
+    def batch_step_s(self, tp: int, recompute_contexts: Sequence[int], num_cache: int, no_cache: bool = False,
+                     scale_context: bool = True) -> float:
+        """Seconds one batched step takes: the step-time model of the simulator's timer and the paced
+        worker alike. A step runs at most two forwards, as the engine does: the full-forward group
+        (``recompute_contexts``: each request's prompt plus canvas tokens) costs ``full_d(n)`` when
+        none of them uses a cache (``no_cache``), else ``alpha_d(n)``, times its mean context over the
+        profile's ``context_tokens`` when ``scale_context``; the cache group costs ``beta_d(num_cache)``."""
+        seconds = 0.0
+        if recompute_contexts:
+            n = len(recompute_contexts)
+            seconds = self.full(tp, n) if no_cache else self.alpha(tp, n)
+            if scale_context and self.context_tokens:
+                seconds *= sum(recompute_contexts) / n / self.context_tokens
+        if num_cache:
+            seconds += self.beta(tp, num_cache)
+        return seconds
 
     def token_steps_per_s(self, tp: int, batch: int, cache_fraction: float = 0.0) -> float:
         """Throughput in (generated token x step) units: batch requests each advance one step.

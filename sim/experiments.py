@@ -128,9 +128,10 @@ def setup(
     scale = preset.llada_steps_per_request / (rec + cache) if preset.llada_steps_per_request else 1.0
     profile = anchored(LatencyProfile.load(profile_path), anchor, scale)
     timer = StepTimer(profile)
-    if preset.cache_mode == CacheMode.NONE:
+    no_cache = preset.cache_mode == CacheMode.NONE
+    if no_cache:
         rec, cache = rec + cache, 0.0  # every step is a full forward
-    base = timer.isolated_latency(1, rec, cache)
+    base = timer.isolated_latency(1, rec, cache, no_cache=no_cache)
     slo = preset.workload.slo_classes[0].slo_factor * base
     capacity = nominal_capacity(preset, timer, rec, cache, slo)
     return Setup(preset, trace, profile, scale, timer, base, slo, capacity, model_dir, prediction)
@@ -152,8 +153,9 @@ def nominal_capacity(preset: Preset, timer: StepTimer, rec: float, cache: float,
     for tp in preset.cluster.initial_tp:
         best = 0.0
         max_batch = preset.cluster.max_batch or timer.profile.max_batch(tp)
+        full = timer.profile.full if preset.cache_mode == CacheMode.NONE else timer.profile.alpha
         for b in range(1, max_batch + 1):
-            latency = rec * timer.profile.alpha(tp, b) + cache * timer.profile.beta(tp, b)
+            latency = rec * full(tp, b) + cache * timer.profile.beta(tp, b)
             if latency * timer.time_scale <= slo_s:
                 best = max(best, b / (latency * timer.time_scale))
         total += best

@@ -59,23 +59,14 @@ class StepTimer:
     scale_context: bool = True
 
     def duration(self, tp: int, recompute_contexts: list[int], num_cache: int, no_cache: bool = False) -> float:
-        """Seconds for one batched step: ``recompute_contexts`` are the full-forward requests' tokens."""
-        seconds = 0.0
-        if recompute_contexts:
-            n = len(recompute_contexts)
-            base = self.profile.full(tp, n) if no_cache else self.profile.alpha(tp, n)
-            seconds += base * self._context_scale(recompute_contexts)
-        if num_cache:
-            seconds += self.profile.beta(tp, num_cache)
+        """Seconds for one batched step: ``recompute_contexts`` are the full-forward requests' tokens
+        (``LatencyProfile.batch_step_s``, the paced worker's model too)."""
+        seconds = self.profile.batch_step_s(tp, recompute_contexts, num_cache, no_cache, self.scale_context)
         return seconds * self.time_scale
 
-    def _context_scale(self, contexts: list[int]) -> float:
-        if not self.scale_context:
-            return 1.0
-        return sum(contexts) / len(contexts) / self.profile.context_tokens
-
-    def isolated_latency(self, tp: int, recompute_steps: float, cache_steps: float, context: float | None = None) -> float:
-        """A request alone on an instance: its recompute and cache steps at batch 1."""
-        scale = 1.0 if context is None or not self.scale_context else context / self.profile.context_tokens
-        alpha = self.profile.alpha(tp, 1) * scale
-        return (recompute_steps * alpha + cache_steps * self.profile.beta(tp, 1)) * self.time_scale
+    def isolated_latency(self, tp: int, recompute_steps: float, cache_steps: float, context: float | None = None,
+                         no_cache: bool = False) -> float:
+        """A request alone on an instance: its full-forward and cache steps at batch 1."""
+        full = self.profile.batch_step_s(tp, [context or self.profile.context_tokens], 0, no_cache,
+                                         self.scale_context)
+        return (recompute_steps * full + cache_steps * self.profile.beta(tp, 1)) * self.time_scale

@@ -40,8 +40,8 @@ from opentelemetry.trace import SpanKind
 
 from shared.generation import answer_of, stream_release
 from shared.messages import codec
+from shared.messages.base import CacheMode, StepKind
 from shared.messages.base import ConfidenceStats as WireConfidence
-from shared.messages.base import StepKind
 from shared.messages.control import WorkerHeartbeat, WorkerStatus
 from shared.messages.events import RequestFinished, RequestProgress, TokenLogprobs, Usage
 from shared.messages.steps import RequestStepResult, StepCommand, StepFailure, StepItem, StepResults
@@ -492,18 +492,13 @@ class WorkerService:
         return msgspec.structs.replace(record, **changes)
 
     async def _pace(self, t0: float, outcomes, states) -> None:
-        contexts = [len(s.prompt_ids) + s.gen_length for s, o in zip(states, outcomes, strict=True)
-                    if o.kind == StepKind.RECOMPUTE]  # the full forwards' tokens
-        num_cache = len(outcomes) - len(contexts)
-        tp = self.settings.tp
-        target = 0.0
-        if contexts:
-            recompute = self.pace.step_latency(tp, len(contexts), recompute=True)
-            if self.settings.pace_context_tokens:  # as the simulator's timer: by the group's mean context
-                recompute *= sum(contexts) / len(contexts) / self.pace.context_tokens
-            target += recompute
-        if num_cache:
-            target += self.pace.step_latency(tp, num_cache, recompute=False)
+        """Stretch the step to what the profile says it takes (``LatencyProfile.batch_step_s``, the
+        simulator's step-time model), context-scaled when the pace is anchored (``pace_context_tokens``)."""
+        full = [s for s, o in zip(states, outcomes, strict=True) if o.kind == StepKind.RECOMPUTE]  # full forwards
+        target = self.pace.batch_step_s(
+            self.settings.tp, [len(s.prompt_ids) + s.gen_length for s in full], len(outcomes) - len(full),
+            no_cache=bool(full) and all(s.cache_mode is CacheMode.NONE for s in full),
+            scale_context=bool(self.settings.pace_context_tokens))
         wait = target - (time.perf_counter() - t0)
         if wait > 0:
             await asyncio.sleep(wait)
