@@ -64,7 +64,8 @@ class GatewaySettings(ServiceSettings):
     port: int = _own("gateway", "port", 8000, "HTTP port")
     api_keys: list[str] = _own("gateway", "api_keys", [], "accepted bearer tokens (JSON list); empty: no auth")
     default_slo_ms: float = _own("gateway", "default_slo_ms", 30_000.0,
-                                 "SLO of requests that set none when no predictor or profile loads", gt=0)
+                                 "SLO of requests that set none while the predictor service does not answer or "
+                                 "the profile is unusable", gt=0)
     default_gen_length: int | None = _own("gateway", "default_gen_length", None,
                                           "max_tokens of requests that set none; unset: the model's")
     default_block_length: int | None = _own("gateway", "default_block_length", None,
@@ -75,7 +76,7 @@ class GatewaySettings(ServiceSettings):
     request_timeout_s: float = _own("gateway", "request_timeout_s", 300.0,
                                     "give up waiting for a request's final event after this long", gt=0)
     model_dir: str = _own("gateway", "model_dir", "models/dls-tiny",
-                          "served model's directory (tokenizer, config, predictor); its basename is the model name")
+                          "served model's directory (tokenizer, config); its basename is the model name")
     chat_template: str = _own("gateway", "chat_template", "",
                               "chat template (Jinja) to use instead of the model's: a file path or the template "
                               "itself; empty: the tokenizer's own")

@@ -1,7 +1,7 @@
 """The gateway's HTTP app: OpenAI-shaped completions over DiLaServe's step-level scheduler.
 
-``create_app(settings, bus=None)`` loads the served model's tokenizer and the default-SLO estimator,
-and wires the routes to a ``Bus`` (``GatewayBus`` on NATS and Redis unless one is given; a given bus
+``create_app(settings, bus=None)`` loads the served model's tokenizer and the latency profile of
+default SLOs (whose step estimates come from the predictor service, over the bus), and wires the routes to a ``Bus`` (``GatewayBus`` on NATS and Redis unless one is given; a given bus
 is the caller's to start and close). A request is validated and tokenized here
 (``RequestPreparer``), submitted, and answered from its events: one JSON object, or server-sent
 events when ``stream`` is set. No torch: the gateway never loads weights.
@@ -47,7 +47,7 @@ from services.gateway.schemas import (
 )
 from services.gateway.security import Admission, RedisRateLimiter, caller, rate_identity
 from services.gateway.sequencing import is_terminal
-from services.gateway.slo import load_slo_estimator
+from services.gateway.slo import DefaultSlo, SloEstimator
 from shared.messages.codec import PayloadTooLargeError
 from shared.messages.control import WorkerStatus
 from shared.messages.events import (
@@ -58,6 +58,7 @@ from shared.messages.events import (
     RequestProgress,
 )
 from shared.metrics import GatewayMetrics
+from shared.profiles import LatencyProfile, ProfileError
 from shared.settings import GatewaySettings
 
 logger = logging.getLogger(__name__)
@@ -149,7 +150,7 @@ class Gateway:
             await self.rate_limiter.check(rate_identity(request))
         self.admission.enter()  # 429 when this gateway holds max_in_flight requests already
         try:
-            prepared = self.preparer.prepare(body, new_request_id(), time.time())
+            prepared = await self.preparer.prepare(body, new_request_id(), time.time())
             owner = caller(request)
             if owner:
                 prepared = prepared.with_requests(tuple(msgspec.structs.replace(r, owner=owner)
@@ -586,6 +587,18 @@ def _install_error_handlers(app: FastAPI) -> None:
 # --- the app -------------------------------------------------------------------------------------
 
 
+def slo_estimator(settings: GatewaySettings) -> SloEstimator | None:
+    """Default SLOs from the profile, or None (logged) if it is unusable: every request then gets
+    ``DLS_GATEWAY_DEFAULT_SLO_MS``."""
+    try:
+        profile = LatencyProfile.load(settings.profile).scaled(settings.profile_scale)
+        return SloEstimator(profile, settings.default_slo_factor, settings.min_default_slo_ms)
+    except ProfileError as exc:
+        logger.warning("default SLOs are DLS_GATEWAY_DEFAULT_SLO_MS: the profile %s is unusable (%s)",
+                       settings.profile, exc)
+        return None
+
+
 def create_app(settings: GatewaySettings, bus: Bus | None = None,
                rate_limiter: RedisRateLimiter | None = None, idempotency: IdempotencyStore | None = None) -> FastAPI:
     """The gateway app; ``bus``: a started ``Bus`` owned by the caller, or None for a ``GatewayBus``;
@@ -594,9 +607,8 @@ def create_app(settings: GatewaySettings, bus: Bus | None = None,
     the ``GatewayBus``, in this process with a given bus)."""
     model = load_served_model(settings.model_dir, settings.default_gen_length, settings.default_block_length,
                               settings.chat_template, settings.trust_remote_code)
-    estimator = load_slo_estimator(model.directory, settings.profile, settings.default_slo_factor,
-                                   settings.min_default_slo_ms, settings.profile_scale)
     own_bus = GatewayBus(settings) if bus is None else None
+    default_slo = DefaultSlo(slo_estimator(settings), (bus or own_bus).predict, settings.default_slo_ms, time.time)
     own_limiter = None
     if rate_limiter is None and settings.rate_limit_per_min > 0:
         own_limiter = RedisRateLimiter(settings.redis_url, settings.redis_key_prefix, settings.rate_limit_per_min,
@@ -608,7 +620,7 @@ def create_app(settings: GatewaySettings, bus: Bus | None = None,
         own_keys_client = redis_client(settings.redis_url, socket_connect_timeout=2.0, socket_timeout=2.0)
         idempotency = RedisIdempotency(own_keys_client, settings.redis_key_prefix)
     metrics = GatewayMetrics()
-    gateway = Gateway(settings, RequestPreparer(settings, ModelCatalogue([model]), estimator), bus or own_bus,
+    gateway = Gateway(settings, RequestPreparer(settings, ModelCatalogue([model]), default_slo), bus or own_bus,
                       rate_limiter or own_limiter, idempotency, metrics)
 
     @asynccontextmanager

@@ -33,6 +33,7 @@ from shared.messages.codec import CodecError, PayloadTooLargeError, decode, enco
 from shared.messages.control import WorkerHeartbeat
 from shared.messages.events import RequestEvent
 from shared.messages.intake import CancelRequest, CompletionRequest
+from shared.messages.predictor import PredictReply, PredictRequest
 from shared.settings import ServiceSettings, redact_urls
 from shared.state import RedisStateStore, RequestRecord, StateError, StepRecord, redis_client
 from shared.subjects import Subjects
@@ -42,6 +43,7 @@ logger = logging.getLogger(__name__)
 EVENT_GAP_WAIT_S = 0.5  # how long later events wait for a missing one before it is given up as lost
 PUBLISH_TIMEOUT_S = 5.0  # wait this long for JetStream to store a request
 CANCEL_TIMEOUT_S = 2.0  # wait this long to publish a cancellation (the client is gone anyway)
+PREDICT_TIMEOUT_S = 0.5  # wait this long for the predictor service's one-shot estimate (default SLOs)
 REDIS_TIMEOUT_S = 2.0  # a Redis call slower than this counts as Redis not answering
 RECONNECT_WAIT_S = 1.0  # between attempts to reach NATS or to set up the intake stream
 # heard heartbeats for this long (longer than a worker's lease, DLS_WORKER_LEASE_TTL_S = 6 s by default)
@@ -85,6 +87,10 @@ class Bus(Protocol):
 
     async def load_request(self, request_id: str) -> tuple[RequestRecord, list[StepRecord]] | None:
         """The stored state of a request and its step records; None if not stored."""
+        ...
+
+    async def predict(self, request: PredictRequest) -> PredictReply:
+        """The predictor service's answer (request/reply); raises when it does not answer in time."""
         ...
 
     async def readiness(self) -> Readiness:
@@ -250,6 +256,13 @@ class GatewayBus:
             await asyncio.wait_for(self._nc.publish(self.subjects.cancel, data), CANCEL_TIMEOUT_S)
         except (nats.errors.Error, TimeoutError) as exc:
             logger.warning("cannot cancel %s (%s): %s", request_id, reason, exc)
+
+    async def predict(self, request: PredictRequest) -> PredictReply:
+        if not self._nc.is_connected:
+            raise BusUnavailableError("NATS is not connected")
+        msg = await self._nc.request(self.subjects.predict, encode(request, self.settings.max_payload_bytes),
+                                     timeout=PREDICT_TIMEOUT_S)
+        return decode(PredictReply, msg.data, self.settings.max_payload_bytes)
 
     async def load_request(self, request_id: str) -> tuple[RequestRecord, list[StepRecord]] | None:
         if self._store is None:

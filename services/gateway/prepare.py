@@ -1,7 +1,8 @@
-"""From a validated HTTP body to the ``CompletionRequest`` the scheduler gets (pure: clock and id passed in).
+"""From a validated HTTP body to the ``CompletionRequest`` the scheduler gets (no I/O of its own: clock,
+id and the default-SLO source passed in).
 
 Tokenizes the prompt (chat through the model's template), fills in the defaults (block length from
-the settings or the model, the SLO from the ``SloEstimator``), turns ``max_tokens`` into a canvas
+the settings or the model, the SLO from ``DefaultSlo``: the predictor service's one-shot estimate), turns ``max_tokens`` into a canvas
 (``shared.generation``: rounded up to the block, at most the model's longest canvas and
 ``DLS_GATEWAY_MAX_GEN_LENGTH``; the request carries the cap itself so the answer is cut there), and
 checks what the schema cannot: prompt plus canvas against the model's context, text the tokenizer
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 from services.gateway.errors import ApiError, invalid
 from services.gateway.models import ModelCatalogue, ServedModel, UnknownModelError
 from services.gateway.schemas import ChatCompletionBody, CompletionBody
-from services.gateway.slo import SloEstimator
+from services.gateway.slo import DefaultSlo
 from shared.messages.base import CacheMode
 from shared.messages.intake import CompletionRequest
 from shared.settings import GatewaySettings
@@ -88,13 +89,12 @@ def choice_id(request_id: str, index: int, num_choices: int) -> str:
 
 
 class RequestPreparer:
-    """Turns bodies into ``PreparedRequest``s for one gateway's settings, models and SLO estimator."""
+    """Turns bodies into ``PreparedRequest``s for one gateway's settings, models and default SLOs."""
 
-    def __init__(self, settings: GatewaySettings, catalogue: ModelCatalogue,
-                 estimator: SloEstimator | None) -> None:
+    def __init__(self, settings: GatewaySettings, catalogue: ModelCatalogue, default_slo: DefaultSlo) -> None:
         self.settings = settings
         self.catalogue = catalogue
-        self.estimator = estimator
+        self.default_slo = default_slo
 
     def model(self, name: str) -> ServedModel:
         try:
@@ -102,7 +102,7 @@ class RequestPreparer:
         except UnknownModelError as exc:
             raise ApiError(404, str(exc), "model", "model_not_found") from None
 
-    def prepare(self, body: CompletionBody | ChatCompletionBody, request_id: str, now: float) -> PreparedRequest:
+    async def prepare(self, body: CompletionBody | ChatCompletionBody, request_id: str, now: float) -> PreparedRequest:
         model = self.model(body.model)
         chat = isinstance(body, ChatCompletionBody)
         prompt_field = "messages" if chat else "prompt"
@@ -117,7 +117,7 @@ class RequestPreparer:
                           "tokens", "context_length_exceeded")
         self._check_agreement(body)
         cache_mode = CacheMode(body.cache)
-        slo_ms = body.slo_ms or self._default_slo_ms(len(prompt_ids), gen_length, block_length, cache_mode)
+        slo_ms = body.slo_ms or await self.default_slo.slo_ms(len(prompt_ids), gen_length, block_length, cache_mode)
         n = body.num_choices
         choices = tuple(CompletionRequest(
             request_id=choice_id(request_id, i, n), prompt_token_ids=prompt_ids, gen_length=gen_length,
@@ -160,13 +160,3 @@ class RequestPreparer:
         if not ids:
             raise invalid(field, f"{field} is empty after tokenization", "empty_prompt")
         return ids
-
-    def _default_slo_ms(self, prompt_length: int, gen_length: int, block_length: int, cache_mode: CacheMode) -> float:
-        if self.estimator is not None:
-            try:
-                return self.estimator.default_slo_ms(prompt_length, gen_length, block_length, cache_mode)
-            except Exception as exc:  # noqa: BLE001 - a predictor failure must not fail the request
-                logger.warning("default SLOs fall back to %.0f ms from now on: the estimate failed (%s)",
-                               self.settings.default_slo_ms, exc)
-                self.estimator = None
-        return self.settings.default_slo_ms

@@ -23,6 +23,7 @@ from shared.messages.events import (
     Usage,
 )
 from shared.messages.intake import CompletionRequest
+from shared.messages.predictor import PredictReply, PredictRequest, RemainingSteps, StepPrediction
 from shared.settings import GatewaySettings
 from shared.state import RequestRecord, StepRecord
 from shared.tokenizer import CharTokenizer
@@ -102,6 +103,8 @@ class FakeBus:
         self.followed: list[CompletionRequest] = []  # requests a retry joined
         self.records: dict[str, tuple[RequestRecord, list[StepRecord]]] = {}  # request id -> stored state
         self.state = Readiness(True, True, [heartbeat()])
+        self.predictor_up = True  # False: predict raises, as with no predictor service
+        self.predicted: list[PredictRequest] = []  # what the gateway asked the predictor service
 
     async def submit(self, request: CompletionRequest, headers: dict[str, str] | None = None):
         self.submitted.append(request)
@@ -124,6 +127,15 @@ class FakeBus:
 
     async def load_request(self, request_id: str):
         return self.records.get(request_id)
+
+    async def predict(self, request: PredictRequest) -> PredictReply:
+        """The predictor service's one-shot estimate: 2 recompute and 6 cache steps whatever the query."""
+        self.predicted.append(request)
+        if not self.predictor_up:
+            raise TimeoutError("no predictor")
+        steps = {t: RemainingSteps(recompute_steps=2.0, cache_steps=6.0) for t in request.thresholds}
+        return PredictReply(predictions=[StepPrediction(request_id=q.request_id, made_at_step=0, threshold_to_steps=steps)
+                                         for q in request.queries])
 
     async def readiness(self) -> Readiness:
         return self.state

@@ -55,7 +55,11 @@ def test_completion_submits_a_filled_in_request_and_answers_in_openai_shape():
     assert sent.cache_mode is CacheMode.PREFIX
     assert (sent.seed, sent.priority, sent.min_threshold, sent.stream, sent.model) == (7, 2, 0.6, False, MODEL)
     assert before <= sent.arrival_time <= time.time()
-    assert 0 < sent.slo_ms < 30_000  # predicted from the one-shot predictor and the profile, not the fallback
+    # 5x the isolated latency of the predictor service's estimate (FakeBus: 2 recompute, 6 cache steps), timed by
+    # the profile, not the fallback
+    assert 0 < sent.slo_ms < 30_000
+    [asked] = bus.predicted
+    assert asked.one_shot and asked.thresholds == [0.9] and asked.queries[0].prompt_length == len(sent.prompt_token_ids)
     [headers] = bus.headers  # the caller's trace continues (the gateway's own span, when tracing is on)
     assert headers["traceparent"].split("-")[1] == TRACEPARENT.split("-")[1]
 
@@ -75,6 +79,11 @@ def test_default_slo_has_a_floor_and_a_fallback():
     test_client, bus = client(profile="profiles/missing.json", default_slo_ms=12_345.0)
     test_client.post("/v1/completions", json={"model": MODEL, "prompt": "1+1="})
     assert bus.submitted[-1].slo_ms == 12_345.0
+    down = FakeBus()
+    down.predictor_up = False  # the predictor service does not answer: the fixed default
+    test_client, bus = client(bus=down, default_slo_ms=23_456.0)
+    test_client.post("/v1/completions", json={"model": MODEL, "prompt": "1+1="})
+    assert bus.submitted[-1].slo_ms == 23_456.0
     test_client.post("/v1/completions", json={"model": MODEL, "prompt": "1+1=", "slo_ms": 800})
     assert bus.submitted[-1].slo_ms == 800
 
@@ -270,7 +279,7 @@ def test_stream_cancels_the_request_when_the_client_leaves():
 
     async def main():
         body = CompletionBody(model=MODEL, prompt="1+1=", stream=True)
-        prepared = gateway.preparer.prepare(body, "cmpl-" + "a" * 32, time.time())
+        prepared = await gateway.preparer.prepare(body, "cmpl-" + "a" * 32, time.time())
         events = ChoiceEvents([TrackedEvents(bus.submit(prepared.request), prepared.request_id,
                                              _no_record, 10.0)])
         first = await anext(events)

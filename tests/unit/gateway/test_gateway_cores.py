@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
@@ -13,9 +14,8 @@ from services.gateway.models import (
     load_served_model,
 )
 from services.gateway.sequencing import EventSequencer
-from services.gateway.slo import REFERENCE_THRESHOLD, SloEstimator
+from services.gateway.slo import REFERENCE_THRESHOLD, RETRY_S, DefaultSlo, SloEstimator
 from services.gateway.workers import WorkerRegistry
-from services.predictor.core.predictor import RemainingSteps, StepPrediction
 from shared.generation import read_generation_limits
 from shared.messages.base import CacheMode
 from shared.messages.control import WorkerStatus
@@ -27,6 +27,7 @@ from shared.messages.events import (
     RequestProgress,
     Usage,
 )
+from shared.messages.predictor import PredictReply, PredictRequest, RemainingSteps, StepPrediction
 from shared.profiles import LatencyProfile
 from tests.unit.gateway.gateway_builders import MODEL, MODEL_DIR, heartbeat
 
@@ -134,49 +135,66 @@ def test_an_older_heartbeat_does_not_replace_a_newer_one():
 # --- SloEstimator --------------------------------------------------------------------------------
 
 
-class FixedPredictor:
-    """Hand-made predictions: the same (recompute, cache) steps for every query."""
-
-    def __init__(self, recompute: float, cache: float) -> None:
-        self.steps = RemainingSteps(recompute, cache)
-        self.queries = []
-        self.thresholds = []
-
-    def predict(self, queries, thresholds):
-        self.queries += list(queries)
-        self.thresholds.append(list(thresholds))
-        return [StepPrediction(q.request_id, 0, {float(t): self.steps for t in thresholds}) for q in queries]
-
-
 PROFILE = LatencyProfile.from_dict({"model": "m", "device": "d", "tp": {"1": {
     "recompute_ms": {"1": 20.0}, "cache_ms": {"1": 5.0}, "full_ms": {"1": 30.0}}}})
 
 
 def test_default_slo_is_factor_times_isolated_latency_with_a_floor():
-    predictor = FixedPredictor(recompute=2.0, cache=6.0)
-    estimator = SloEstimator(predictor, PROFILE, factor=5.0, floor_ms=0.0)
+    estimator = SloEstimator(PROFILE, factor=5.0, floor_ms=0.0)
     # 2 recompute x 20 ms + 6 cache x 5 ms = 70 ms alone; 5x that.
-    assert estimator.default_slo_ms(10, 16, 8, CacheMode.DUAL) == pytest.approx(350.0)
-    [query] = predictor.queries
-    assert (query.gen_length, query.prompt_length, query.block_length, query.uses_cache) == (16, 10, 8, True)
-    assert SloEstimator(predictor, PROFILE, 5.0, floor_ms=1000.0).default_slo_ms(10, 16, 8, CacheMode.DUAL) == 1000.0
+    assert estimator.default_slo_ms((2.0, 6.0), 16, 8, CacheMode.DUAL) == pytest.approx(350.0)
+    assert SloEstimator(PROFILE, 5.0, floor_ms=1000.0).default_slo_ms((2.0, 6.0), 16, 8, CacheMode.DUAL) == 1000.0
 
 
 def test_default_slo_without_cache_uses_full_steps_and_blocks_bound_the_recompute_steps():
-    estimator = SloEstimator(FixedPredictor(recompute=3.0, cache=0.0), PROFILE, factor=1.0, floor_ms=0.0)
-    assert estimator.default_slo_ms(10, 16, 8, CacheMode.NONE) == pytest.approx(90.0)  # 3 x 30 ms
+    estimator = SloEstimator(PROFILE, factor=1.0, floor_ms=0.0)
+    assert estimator.default_slo_ms((3.0, 0.0), 16, 8, CacheMode.NONE) == pytest.approx(90.0)  # 3 x 30 ms
     # answers stop at their EOS block: the predicted 3 recompute steps stand on a 64-token canvas ...
-    assert estimator.steps(10, 64, 8, CacheMode.DUAL) == (3.0, 0.0)
+    assert estimator.steps((3.0, 0.0), 64, 8, CacheMode.DUAL) == (3.0, 0.0)
     # ... kept within one block and every block of the canvas
-    assert estimator.steps(10, 16, 8, CacheMode.DUAL) == (2, 0.0)
-    assert SloEstimator(FixedPredictor(recompute=0.2, cache=1.0), PROFILE, 1.0, 0.0).steps(10, 64, 8, CacheMode.DUAL) \
-        == (1.0, 1.0)
+    assert estimator.steps((3.0, 0.0), 16, 8, CacheMode.DUAL) == (2, 0.0)
+    assert estimator.steps((0.2, 1.0), 64, 8, CacheMode.DUAL) == (1.0, 1.0)
 
 
-def test_the_highest_candidate_threshold_is_asked_for():
-    predictor = FixedPredictor(1.0, 1.0)
-    SloEstimator(predictor, PROFILE, 5.0, 0.0).default_slo_ms(4, 8, 8, CacheMode.PREFIX)
-    assert predictor.thresholds == [[REFERENCE_THRESHOLD]] == [[0.9]]
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_default_slo_asks_the_predictor_service_once_per_shape_and_falls_back_while_it_is_down():
+    asked: list[PredictRequest] = []
+    up = [True]
+
+    async def ask(request: PredictRequest) -> PredictReply:
+        asked.append(request)
+        if not up[0]:
+            raise TimeoutError("no predictor")
+        steps = {t: RemainingSteps(recompute_steps=2.0, cache_steps=6.0) for t in request.thresholds}
+        return PredictReply(predictions=[StepPrediction(request_id="x", made_at_step=0, threshold_to_steps=steps)])
+
+    clock = FakeClock()
+    slo = DefaultSlo(SloEstimator(PROFILE, 5.0, 0.0), ask, fallback_ms=9999.0, clock=clock)
+    assert asyncio.run(slo.slo_ms(10, 16, 8, CacheMode.DUAL)) == pytest.approx(350.0)
+    [request] = asked
+    assert request.one_shot and request.thresholds == [REFERENCE_THRESHOLD] == [0.9]
+    [query] = request.queries
+    assert (query.prompt_length, query.gen_length, query.block_length, query.uses_cache, query.num_steps_done) \
+        == (10, 16, 8, True, 0)
+    assert asyncio.run(slo.slo_ms(10, 16, 8, CacheMode.DUAL)) == pytest.approx(350.0)
+    assert len(asked) == 1  # the same shape: remembered
+    up[0] = False
+    assert asyncio.run(slo.slo_ms(11, 16, 8, CacheMode.DUAL)) == 9999.0  # a new shape, no answer: the fallback
+    assert asyncio.run(slo.slo_ms(12, 16, 8, CacheMode.DUAL)) == 9999.0
+    assert len(asked) == 2  # not asked again while it is down
+    up[0] = True
+    clock.now = RETRY_S + 1.0
+    assert asyncio.run(slo.slo_ms(12, 16, 8, CacheMode.DUAL)) == pytest.approx(350.0)
+    assert DefaultSlo(None, ask, 9999.0, clock).estimator is None
+    assert asyncio.run(DefaultSlo(None, ask, 9999.0, clock).slo_ms(10, 16, 8, CacheMode.DUAL)) == 9999.0
+
 
 
 # --- models --------------------------------------------------------------------------------------
