@@ -61,7 +61,7 @@ def start_stack(policy: str, args, run_dir: Path) -> tuple[subprocess.Popen, str
     port = free_port()
     env = dict(os.environ, DLS_NATS_URL=f"nats://127.0.0.1:{free_port()}",
                DLS_REDIS_URL=f"redis://127.0.0.1:{free_port()}/0")
-    argv = [sys.executable, "-m", "shared.cli", "up", "--port", str(port), "--workers", str(args.workers),
+    argv = [sys.executable, "-m", "services.cli", "up", "--port", str(port), "--workers", str(args.workers),
             "--policy", policy, "--pace", args.pace, "--pace-scale", str(args.pace_scale), "--run-dir", str(run_dir)]
     log = open(run_dir.with_suffix(".log"), "wb")  # noqa: SIM115 (the child keeps it)
     process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)

@@ -37,13 +37,13 @@ from pathlib import Path
 import numpy as np
 
 from bench.common import emit_json
+from services.cli import main as dls
 from services.predictor.cli import HELDOUT_FILE, TRAIN_FILE
 from services.predictor.core.evaluation import aged_one_shot, errors, granularity_study
 from services.predictor.core.model import ModelError, StepModel
 from services.predictor.core.predictor import InProcessPredictor, PredictionQuery
 from services.predictor.traces import DEFAULT_THRESHOLDS, TraceSet, read_traces
 from services.predictor.training import ONE_SHOT, SERVED, evaluate, fit, predict_remaining
-from shared.cli import main as dls
 
 MODELS = {"one_shot": ONE_SHOT, "progress": "progress", "progress_confidence": SERVED}
 BATCH_ROWS = (1, 64, 1024)

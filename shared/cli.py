@@ -1,57 +1,8 @@
-"""The `dls` command: one entry point, subcommands registered by the modules that own them.
-
-Each module in ``_SUBCOMMAND_MODULES`` has ``register(subparsers)``, which adds its subcommands
-with ``set_defaults(func=...)``; ``func(args)`` returns the exit code. Modules are imported only
-when the CLI starts, so importing ``shared`` stays cheap.
-"""
+"""What every `dls` subcommand shares: ``CliError``. The dispatcher is ``services/cli.py`` (it reaches
+into the services, which ``shared`` never imports)."""
 
 from __future__ import annotations
-
-import argparse
-import importlib
-import sys
-
-_SUBCOMMAND_MODULES = (
-    "services.worker.cli",  # train-model, profile, generate
-    "services.reconfigurator.cli",  # reconfig solve
-    "services.predictor.cli",  # collect-traces, train-predictor
-    "sim.cli",  # sim, compare, capacity
-    "services.stack",  # up
-    "loadgen.cli",  # loadgen
-)
 
 
 class CliError(Exception):
     """A user error: printed as `dls: error: ...` with exit code 2, no traceback."""
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dls", description="DiLaServe: serving diffusion language models")
-    subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name in _SUBCOMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name and name.startswith(exc.name):
-                continue  # that service is not part of this checkout yet
-            raise
-        module.register(subparsers)
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        return int(args.func(args) or 0)
-    except CliError as exc:
-        parser.exit(2, f"dls: error: {exc}\n")
-    except KeyboardInterrupt:
-        return 130
-
-
-if __name__ == "__main__":
-    # Run through the importable module, so that CliError raised by subcommands is this same class.
-    from shared.cli import main as _main
-
-    sys.exit(_main())

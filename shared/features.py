@@ -27,10 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
-
-if TYPE_CHECKING:  # the worker imports shared, not the other way round
-    from services.worker.engine import RequestState, StepResult
+from typing import Protocol
 
 FEATURE_NAMES: tuple[str, ...] = (
     "threshold",
@@ -71,6 +68,31 @@ class ConfidenceLike(Protocol):
     median: float
     mean: float
     q75: float
+
+
+class StateLike(Protocol):
+    """A request's engine state as the features read it (``services.worker.engine.RequestState``)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    canvas: list[int]
+    block_length: int
+    cache_mode: str  # shared.messages.base.CacheMode
+
+    @property
+    def gen_length(self) -> int: ...
+
+    def block_bounds(self, block: int) -> tuple[int, int]: ...
+
+
+class StepResultLike(Protocol):
+    """One request's step result as the features read it (``services.worker.engine.StepResult``)."""
+
+    block_index: int
+    num_steps: int
+    num_masked: int
+    threshold: float
+    confidence: ConfidenceLike
 
 
 def confidence_values(confidence: ConfidenceLike | Sequence[float] | None) -> list[float]:
@@ -122,7 +144,7 @@ def arrival_features(threshold: float, gen_length: int, prompt_length: int, bloc
     return step_features(threshold, gen_length, prompt_length, block_length, 0, 0, None)
 
 
-def features_after_step(state: RequestState, result: StepResult, mask_id: int, threshold: float | None = None) -> list[float]:
+def features_after_step(state: StateLike, result: StepResultLike, mask_id: int, threshold: float | None = None) -> list[float]:
     """Features of an engine request right after ``result`` (``state`` already updated in place).
 
     ``threshold`` is the one to be used from now on (default: the one the step ran at).

@@ -35,21 +35,21 @@ class FallbackOnly:
 
 
 class StepPredictorSource:
-    """The issue-4 step predictor (``services.predictor.adapters.load_predictor``), in process, one
+    """The issue-4 step predictor (``services.predictor.core.loading.load_predictor``), in process, one
     batched call per finished step. ``one_shot``: its arrival-only ablation model.
 
     The replay engine records no confidences, so with it the queries carry progress only.
     """
 
     def __init__(self, model_dir: str, thresholds: tuple[float, ...], one_shot: bool = False, latency_s: float = 0.0):
-        from services.predictor.adapters import load_predictor
+        from services.predictor.core.loading import load_predictor
 
         self._predictor = load_predictor(model_dir, one_shot=one_shot)
         self.thresholds = tuple(thresholds)
         self.latency_s = latency_s
 
     def predict(self, items: list[tuple[Request, EngineOutcome]]) -> list[Prediction | None]:
-        from services.predictor.adapters import PredictionQuery
+        from services.predictor.core.loading import PredictionQuery
 
         if not items:
             return []

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from opentelemetry.trace import SpanKind
 
-from services.predictor.adapters import ONE_SHOT_DIR
+from services.predictor.core.loading import ONE_SHOT_DIR
 from services.predictor.core.model import RECOMPUTE_FILE, TOTAL_FILE, StepModel
 from services.predictor.core.predictor import InProcessPredictor, OneShotPredictor, Predictor
 from services.predictor.core.predictor import PredictionQuery as CoreQuery

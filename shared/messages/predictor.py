@@ -1,7 +1,7 @@
 """Scheduler <-> predictor request/reply (subject ``predict``): remaining steps per threshold.
 
 Mirrors ``services.predictor.core.predictor``: ``PredictionQuery``, ``RemainingSteps`` and
-``StepPrediction`` have the same fields, so the adapters convert field by field. One request carries
+``StepPrediction`` have the same fields, so the predictor service converts field by field. One request carries
 every query of a scheduling round; the predictor answers all (request, threshold) rows in one batch.
 """
 

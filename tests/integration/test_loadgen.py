@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.cli import main
+from services.cli import main
 from shared.request_traces import read_trace
 from tests.integration.served import served_stack
 

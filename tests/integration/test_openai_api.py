@@ -66,7 +66,7 @@ def stack(tmp_path_factory):
     env = dict(os.environ, DLS_NATS_URL=f"nats://127.0.0.1:{free_port()}",
                DLS_REDIS_URL=f"redis://127.0.0.1:{free_port()}/0", DLS_METRICS_PORT=str(metrics),
                DLS_WORKER_LEASE_TTL_S="20")  # the retry test pauses the workers for a few seconds
-    argv = [sys.executable, "-m", "shared.cli", "up", "--port", str(port), "--workers", "2", "--policy", "fixed",
+    argv = [sys.executable, "-m", "services.cli", "up", "--port", str(port), "--workers", "2", "--policy", "fixed",
             "--run-dir", str(run_dir)]
     process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url, lines = f"http://127.0.0.1:{port}", []

@@ -33,7 +33,7 @@ def test_dls_up_serves_a_completion_and_stops_cleanly(tmp_path):
     port = free_port()
     env = dict(os.environ, DLS_NATS_URL=f"nats://127.0.0.1:{free_port()}",
                DLS_REDIS_URL=f"redis://127.0.0.1:{free_port()}/0")
-    argv = [sys.executable, "-m", "shared.cli", "up", "--port", str(port), "--workers", "2",
+    argv = [sys.executable, "-m", "services.cli", "up", "--port", str(port), "--workers", "2",
             "--run-dir", str(tmp_path / "stack")]
     process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
@@ -85,7 +85,7 @@ def test_a_reconfiguration_plan_changes_the_instances_with_no_request_lost(tmp_p
     port = free_port()
     env = dict(os.environ, DLS_NATS_URL=f"nats://127.0.0.1:{free_port()}",
                DLS_REDIS_URL=f"redis://127.0.0.1:{free_port()}/0", DLS_RECONFIGURATOR_ENABLED="false")
-    argv = [sys.executable, "-m", "shared.cli", "up", "--port", str(port), "--workers", "3",
+    argv = [sys.executable, "-m", "services.cli", "up", "--port", str(port), "--workers", "3",
             "--pace", "profiles/llada-8b-h100.json", "--run-dir", str(tmp_path / "stack")]
     process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
@@ -101,7 +101,7 @@ def test_a_reconfiguration_plan_changes_the_instances_with_no_request_lost(tmp_p
             load = asyncio.create_task(run_plan(url, plan, timeout_s=120))
             await asyncio.sleep(3.0)
             apply = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "shared.cli", "reconfig", "apply", "--instances-by-tp", "1:1,2:1",
+                sys.executable, "-m", "services.cli", "reconfig", "apply", "--instances-by-tp", "1:1,2:1",
                 "--wait", "150", env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
             out, _ = await apply.communicate()
             late = await run_plan(url, poisson_plan(2.0, 3.0, slo_ms=60_000.0, seed=4), timeout_s=120)

@@ -15,7 +15,7 @@ import pytest
 from loadgen.driver import Result
 from loadgen.report import GoodputError, build_report, parse_goodput
 from loadgen.workload import LoadSpec, WorkloadError, build_plan, parse_slo_class, plan_load, write_burstgpt
-from shared.cli import main
+from services.cli import main
 from sim.workload import WorkloadConfig, generate
 
 SAMPLE = Path(__file__).resolve().parents[1] / "data" / "burstgpt_sample.csv"

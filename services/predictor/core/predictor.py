@@ -9,15 +9,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
 from services.predictor.core.model import StepModel
-from shared.features import THRESHOLD_INDEX, arrival_features, confidence_values, step_features
-
-if TYPE_CHECKING:
-    from services.worker.engine import RequestState, StepResult
+from shared.features import (
+    THRESHOLD_INDEX,
+    StateLike,
+    StepResultLike,
+    arrival_features,
+    confidence_values,
+    step_features,
+)
 
 
 class RemainingSteps(NamedTuple):
@@ -97,7 +101,7 @@ class PredictionQuery:
         )
 
     @classmethod
-    def after_step(cls, state: RequestState, result: StepResult, mask_id: int) -> PredictionQuery:
+    def after_step(cls, state: StateLike, result: StepResultLike, mask_id: int) -> PredictionQuery:
         """The query for an engine request right after ``result`` (``state`` already updated)."""
         start, end = state.block_bounds(result.block_index)
         return cls(

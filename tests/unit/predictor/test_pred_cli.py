@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 
 from bench import predictor as bench_predictor
+from services.cli import main
 from services.predictor.core.model import StepModel
 from services.predictor.traces import COLUMNS, read_traces, write_traces
-from shared.cli import main
 from shared.tasks import Split
 from tests.unit.predictor.pred_builders import fake_rows
 

@@ -2,7 +2,7 @@ import random
 
 import pytest
 
-from services.predictor.adapters import load_predictor, predictor_dir
+from services.predictor.core.loading import load_predictor, predictor_dir
 from services.predictor.core.policy import Granularity, UpdateMark, UpdatePolicy
 from services.predictor.core.predictor import (
     InProcessPredictor,

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from shared.cli import build_parser
+from services.cli import build_parser
 from sim import cli
 
 

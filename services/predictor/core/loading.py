@@ -1,4 +1,5 @@
-"""Ready-made in-process predictors for the scheduler and the simulator.
+"""The trained predictors committed next to an engine model, loaded in process (the simulator, the
+predictor service, tests).
 
     predictor = load_predictor("models/dls-tiny")               # online (progress + confidence)
     baseline = load_predictor("models/dls-tiny", one_shot=True)  # the one-shot ablation
