@@ -6,10 +6,11 @@ Three families, all checkable without a reference model:
 * ``words``: ``@c=`` asks for three words of category ``c``, drawn from the category's weighted word
   list. Several answers are valid; an answer is scored by *validity* (three words, each in the list).
 * ``chain``: the long family (35 to 125 tokens, 4 or more blocks of 16). ``@d.q=`` asks for a chain
-  of items labelled ``q`` down to ``a`` (``q:pat p:kan o:sel ... a:bog``): the first word is of
+  of items labelled ``a`` up to ``q`` (``a:pat b:kan c:sel ... q:bog``): the first word is of
   category ``d``, and each later word's category is set by the last letter of the word before it
-  (``CHAIN_NEXT_CATEGORY``), so every word depends on the one before, across block boundaries. Scored
-  by validity (labels, count, categories and links all right).
+  (``CHAIN_NEXT_CATEGORY``), so every word depends on the one before, across block boundaries. An
+  item's label follows from its place; where the chain ends, from the query's letter. Scored by
+  validity (labels, count, categories and links all right).
 
 The categories are built so that the threshold matters (see ``CATEGORIES``):
 
@@ -150,7 +151,7 @@ def check_answer(problem: Problem, answer: str) -> bool:
 
 
 def _valid_chain(query: str, answer: str) -> bool:
-    """``@{start}.{last}=``: items ``last`` .. ``a``, each word in the category its link sets."""
+    """``@{start}.{last}=``: items ``a`` .. ``last``, each word in the category its link sets."""
     start, last = query[1], query[3]
     items = answer.split(" ")
     if len(items) != CHAIN_LABELS.index(last) + 1:
@@ -158,7 +159,7 @@ def _valid_chain(query: str, answer: str) -> bool:
     category = start
     for index, item in enumerate(items):
         label, _, word = item.partition(":")
-        if label != CHAIN_LABELS[len(items) - 1 - index] or word not in CATEGORIES[category].word_to_weight:
+        if label != CHAIN_LABELS[index] or word not in CATEGORIES[category].word_to_weight:
             return False
         category = CHAIN_NEXT_CATEGORY.get(word[-1], "")
         if not category:
@@ -233,6 +234,6 @@ class TaskGenerator:
         items, category = [], start
         for index in range(num_items):
             word = CATEGORIES[category].sample_word(self._rng)
-            items.append(f"{CHAIN_LABELS[num_items - 1 - index]}:{word}")
+            items.append(f"{CHAIN_LABELS[index]}:{word}")
             category = CHAIN_NEXT_CATEGORY[word[-1]]
         return f"@{start}.{CHAIN_LABELS[num_items - 1]}=", " ".join(items)

@@ -90,9 +90,9 @@ class TrainConfig:
 
 SEMI_AR_BLOCK_LENGTHS = (4, 8, 16, 32)  # block lengths drawn for semi-autoregressive rows
 # share of semi-autoregressive rows that decode the first block: the one state where nothing of the
-# answer is on the canvas and everything must come from the prompt (a chain's first label is the
-# query's letter); uniform masking never shows it on a long canvas, and a uniform draw of the block
-# shows it rarely, so the model learnt to read the length off visible EOS padding instead
+# answer is on the canvas and everything must come from the prompt; uniform masking never shows it on
+# a long canvas, and a uniform draw of the block shows it rarely (a chain model then read its length
+# off visible EOS padding instead of the query)
 FIRST_BLOCK_SHARE = 0.3
 
 
