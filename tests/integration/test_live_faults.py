@@ -64,7 +64,7 @@ def test_a_worker_whose_step_never_returns_loses_no_request(nats_server, redis_s
             # alive (it still beats) but reporting its stuck step: not taken back
             assert stuck.step_running_s() > 2.0
             await asyncio.sleep(1.0)
-            assert "hung" not in cluster.scheduler.workers and "hung" in cluster.scheduler.leases
+            assert "hung" not in cluster.scheduler.instances and "hung" in cluster.scheduler.leases
             assert cluster.scheduler.counters["lost_steps"] >= 1
         finally:
             hanging.release()

@@ -60,6 +60,8 @@ class StepOutcome:
     finished: bool = False  # the whole generation is done
     recompute: bool = True  # the step was a full forward
     prediction: Prediction | None = None  # fresh remaining-step prediction, if one came with it
+    state_version: int = 0  # version of the stored state after the step (0: not told)
+    confidence: tuple[float, ...] | None = None  # (min, q25, median, mean, q75) of the block still masked
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,3 +72,6 @@ class BatchOutcome:
     instance_id: str
     outcomes: tuple[StepOutcome, ...]
     duration_s: float = 0.0
+    step_id: int = 0  # the command it answers (``StepScheduler`` checks it is the one in flight)
+    failed_ids: tuple[str, ...] = ()  # requests of the command that did not step (stale or missing state)
+    continued_step_id: int = 0  # the instance went straight on to this held command (pipelining)

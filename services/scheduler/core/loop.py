@@ -1,8 +1,8 @@
-"""The driver side of the two-call contract, identical for the scheduler service and the simulator.
+"""The driver side of the policies' two-call contract.
 
 ``SchedulingLoop`` records each event in the ClusterView, tells the policy, asks it to schedule, and
-applies the decisions it returns. The caller sends the assignments to workers (service) or turns
-them into future step events (simulator).
+applies the decisions it returns. ``StepScheduler`` (``steps.py``) drives it and turns the
+assignments into step commands, for the scheduler service and the simulator alike.
 """
 
 from __future__ import annotations
@@ -43,8 +43,7 @@ class SchedulingLoop:
         return self._schedule(now)
 
     def on_step_result(self, now: float, result: BatchOutcome) -> Decisions:
-        self.view.apply_step_result(now, result)
-        self.policy.on_step_result(now, result)
+        self.record(now, [result])
         return self._schedule(now)
 
     def on_step_results(self, now: float, results: list[BatchOutcome]) -> Decisions:
@@ -54,36 +53,38 @@ class SchedulingLoop:
         their requests at once (what the service does with the results that queued up while it was
         busy) instead of once per result.
         """
+        self.record(now, results)
+        return self._schedule(now)
+
+    def record(self, now: float, results: list[BatchOutcome]) -> None:
+        """Step results into the view and the policy, no scheduling pass yet (their requests are READY)."""
         for result in results:
             self.view.apply_step_result(now, result)
             self.policy.on_step_result(now, result)
-        return self._schedule(now)
 
     def continue_steps(
         self,
         now: float,
-        results: list[BatchOutcome],
+        instance_ids: Sequence[str],
         min_remaining_tokens: int,
         running: Mapping[str, Sequence[tuple[str, float]]] | None = None,
     ) -> Continuation:
-        """Overlap mode (the service's, off the simulator's path): record step results, and keep each
-        of their instances stepping with the same requests at their current thresholds, before any
-        scheduling pass, where nothing a pass decides at this point could differ but the thresholds.
+        """Overlap: after ``record``, keep each of these instances stepping with the same requests at
+        their current thresholds, before any scheduling pass, where nothing a pass decides at this
+        point could differ but the thresholds.
 
-        An instance continues when it is alive, every request on it came back READY from this step
+        An instance continues when it is alive, every request on it came back READY from its step
         and has at least ``min_remaining_tokens`` tokens to go, none starts a block next (with a cache
         that is a recompute step, where migration is decided; with none, the pass still gets every
-        block start), and the queue is empty or the instance is full. Its requests' thresholds for the step after are then computed by
-        ``replan`` while this one runs (one step late: what overlap trades for the pass's latency).
-        Instances that do not continue, and everything else, wait for the next ``tick``.
+        block start) or waits for its state to be reloaded, and the queue is empty or the instance is
+        full. Its requests' thresholds for the step after are then computed by ``replan`` while this
+        one runs (one step late: what overlap trades for the pass's latency). Instances that do not
+        continue, and everything else, wait for the next ``tick``.
 
         ``running`` (instance id -> (request id, threshold) pairs): instances that already went on by
-        themselves (the service's pipelining: a worker ran the step it had been sent in advance), so
-        they continue with those requests at those thresholds whatever the checks above would say.
+        themselves (pipelining: a worker ran the step it had been sent in advance), so they continue
+        with those requests at those thresholds whatever the checks above would say.
         """
-        for result in results:
-            self.view.apply_step_result(now, result)
-            self.policy.on_step_result(now, result)
         out = Continuation()
         running = running or {}
         for instance_id, pairs in running.items():
@@ -93,26 +94,29 @@ class SchedulingLoop:
                     out.decisions.assignments.append(
                         StepAssignment(rid, instance_id, threshold, recompute=r.next_step_is_recompute))
                     out.continued_ids.append(rid)
-        queued = self.view.num_queued > 0
-        for result in results:
-            if result.instance_id in running:
-                continue
-            inst = self.view.instances.get(result.instance_id)
-            if inst is None or not inst.alive or not inst.resident_ids or (queued and inst.batch < inst.max_batch):
-                continue
-            residents = [self.view.requests[rid] for rid in inst.resident_ids]
-            if all(
-                r.status == RequestStatus.READY and r.threshold is not None and r.num_block_steps > 0
-                and r.num_remaining_tokens >= min_remaining_tokens
-                for r in residents
-            ):
-                for r in residents:
-                    out.decisions.assignments.append(
-                        StepAssignment(r.request_id, inst.instance_id, r.threshold, recompute=r.next_step_is_recompute))
-                    out.continued_ids.append(r.request_id)
+        if min_remaining_tokens > 0:
+            for instance_id in instance_ids:
+                if instance_id not in running:
+                    self._continue_instance(instance_id, min_remaining_tokens, out)
         self.view.apply(now, out.decisions)
         out.needs_pass = bool(self.view.ready_ids) or self.view.num_queued > 0
         return out
+
+    def _continue_instance(self, instance_id: str, min_remaining_tokens: int, out: Continuation) -> None:
+        inst = self.view.instances.get(instance_id)
+        queued = self.view.num_queued > 0
+        if inst is None or not inst.alive or not inst.resident_ids or (queued and inst.batch < inst.max_batch):
+            return
+        residents = [self.view.requests[rid] for rid in inst.resident_ids]
+        if all(
+            r.status == RequestStatus.READY and r.threshold is not None and r.num_block_steps > 0
+            and not r.reloading and r.num_remaining_tokens >= min_remaining_tokens
+            for r in residents
+        ):
+            for r in residents:
+                out.decisions.assignments.append(
+                    StepAssignment(r.request_id, inst.instance_id, r.threshold, recompute=r.next_step_is_recompute))
+                out.continued_ids.append(r.request_id)
 
     def replan(self, now: float, request_ids: list[str]) -> None:
         """Next-step thresholds for requests ``continue_steps`` kept running (policies that choose

@@ -67,8 +67,14 @@ class Request:
     num_tokens_committed: int = 0
     current_block: int = 0
     num_block_steps: int = 0  # steps done inside the current block (0: next step starts the block)
+    num_block_tokens: int = 0  # tokens committed inside the current block
     num_migrations: int = 0
     last_migration_step: int = -(10**9)
+    # where its state is (the stored state of the live system, the simulator's emulation of it)
+    state_version: int = 0  # version of the stored state its next step starts from
+    holder_id: str | None = None  # the instance holding its latest state (local copy, KV cache); None: only the store
+    reloading: bool = False  # its last step was lost or failed: its state is reloaded before the next
+    confidence: tuple[float, ...] | None = None  # (min, q25, median, mean, q75) after its last step
     # latest decisions and predictions
     threshold: float | None = None
     prediction: Prediction | None = None
@@ -121,14 +127,34 @@ class Request:
             raise TransitionError(f"request {self.request_id}: {self.status.name} -> {status.name}")
         self.status = status
 
+    @property
+    def last_block(self) -> tuple[int, int, int]:
+        """(index, size, committed positions) of the block its last step decoded ((0, size, 0) before any)."""
+        index = self.current_block - 1 if self.num_block_steps == 0 and self.num_steps_done else self.current_block
+        index = max(index, 0)
+        size = min(self.block_len, self.gen_len - index * self.block_len)
+        committed = size if index < self.current_block else self.num_block_tokens
+        return index, size, committed
+
     def record_step(self, num_committed: int, block_done: bool) -> None:
         self.num_steps_done += 1
         self.num_tokens_committed += num_committed
         if block_done:
             self.current_block += 1
             self.num_block_steps = 0
+            self.num_block_tokens = 0
         else:
             self.num_block_steps += 1
+            self.num_block_tokens += num_committed
+
+    def catch_up(self, num_steps: int, num_committed: int, current_block: int) -> None:
+        """Steps stored by a worker whose results never came (it died): the counters as stored; the
+        next step starts its block afresh (a recompute: no instance holds a cache)."""
+        self.num_steps_done = max(self.num_steps_done, num_steps)
+        self.num_tokens_committed = max(self.num_tokens_committed, num_committed)
+        self.current_block = max(self.current_block, current_block)
+        self.num_block_steps = 0
+        self.num_block_tokens = 0
 
     def record_prediction(self, prediction: Prediction) -> None:
         if self.first_prediction is None:

@@ -223,17 +223,35 @@ class ClusterView:
             request = self.requests[rid]
             if request.status in (RequestStatus.RUNNING, RequestStatus.MIGRATING):
                 request.move(RequestStatus.READY)
+                request.reloading = True  # the worker may have stored the step before it died
                 lost.append(rid)
+        for request in self.requests.values():
+            if request.holder_id == instance_id:
+                request.holder_id = None
         self.remove_instance(instance_id)
         return lost
 
     def requeue_request(self, request_id: str) -> None:
         """A request's running step failed without an outcome (stale or missing state on the
-        worker): it goes back to READY on its instance, counters unchanged, to be assigned again."""
+        worker): it goes back to READY on its instance, counters unchanged, to be assigned again
+        once its state is reloaded (``reloaded``)."""
         request = self.requests[request_id]
         if request.status in (RequestStatus.RUNNING, RequestStatus.MIGRATING):
             request.move(RequestStatus.READY)
             self.ready_ids[request.request_id] = None
+        request.holder_id = None
+        request.reloading = True
+
+    def reloaded(self, request_id: str, version: int, num_steps: int, num_committed: int, current_block: int) -> int:
+        """A lost or failed request's state, read back from the store: its counters catch up with
+        steps stored but never reported; returns how many there were."""
+        request = self.requests[request_id]
+        lost = max(num_steps - request.num_steps_done, 0)
+        if lost:
+            request.catch_up(num_steps, num_committed, current_block)
+        request.state_version = version
+        request.reloading = False
+        return lost
 
     def alive_instances(self) -> list[InstanceView]:
         return [inst for inst in self.instances.values() if inst.alive]
@@ -318,6 +336,11 @@ class ClusterView:
             if request is None:
                 continue  # cancelled while its step ran
             request.record_step(outcome.num_committed, outcome.block_done)
+            request.holder_id = result.instance_id
+            if outcome.state_version:
+                request.state_version = outcome.state_version
+            if outcome.confidence is not None:
+                request.confidence = outcome.confidence
             if outcome.prediction is not None:
                 request.record_prediction(outcome.prediction)
             if outcome.finished:

@@ -1,5 +1,5 @@
-"""Overlap mode in the core: ``SchedulingLoop.continue_steps`` keeps instances stepping before a pass,
-``replan`` sets the continued requests' next thresholds (the scheduler service's hot path)."""
+"""Overlap in the policy loop: after ``record``, ``SchedulingLoop.continue_steps`` keeps instances stepping
+before a pass, ``replan`` sets the continued requests' next thresholds (``StepScheduler`` drives both)."""
 
 from __future__ import annotations
 
@@ -17,10 +17,15 @@ def _running_loop(num_requests: int = 3, slo_s: float = 60.0, **request_kwargs) 
     return loop
 
 
+def _continue(loop: SchedulingLoop, now: float, result, min_tokens: int = 32, running=None):
+    loop.record(now, [result])
+    return loop.continue_steps(now, [result.instance_id], min_tokens, running)
+
+
 def test_continue_keeps_the_batch_at_its_thresholds_without_a_pass():
     loop = _running_loop()
     before = {rid: loop.view.requests[rid].threshold for rid in ("r0", "r1", "r2")}
-    cont = loop.continue_steps(0.2, [step_result("i0", *(outcome(f"r{k}") for k in range(3)))], 32)
+    cont = _continue(loop, 0.2, step_result("i0", *(outcome(f"r{k}") for k in range(3))))
     assert sorted(cont.continued_ids) == ["r0", "r1", "r2"]
     assert {a.request_id: a.threshold for a in cont.decisions.assignments} == before
     assert all(a.instance_id == "i0" and not a.is_migration for a in cont.decisions.assignments)
@@ -34,7 +39,7 @@ def test_replan_moves_thresholds_with_the_budget():
     loop = _running_loop(slo_s=60.0)
     top = max(loop.policy.grid.values)
     assert loop.view.requests["r0"].threshold == top  # plenty of budget
-    cont = loop.continue_steps(50.0, [step_result("i0", *(outcome(f"r{k}") for k in range(3)))], 32)
+    cont = _continue(loop, 50.0, step_result("i0", *(outcome(f"r{k}") for k in range(3))))
     assert loop.view.requests["r0"].threshold == top  # continued as it was
     loop.replan(59.0, cont.continued_ids)  # one second left for ~230 tokens
     assert loop.view.requests["r0"].threshold == min(loop.policy.grid.values)
@@ -42,20 +47,19 @@ def test_replan_moves_thresholds_with_the_budget():
 
 def test_no_continuation_at_a_block_start_near_the_end_or_with_a_queue():
     loop = _running_loop()
-    cont = loop.continue_steps(0.2, [step_result("i0", outcome("r0", block_done=True), outcome("r1"), outcome("r2"))],
-                               32)
+    cont = _continue(loop, 0.2, step_result("i0", outcome("r0", block_done=True), outcome("r1"), outcome("r2")))
     assert cont.continued_ids == [] and cont.needs_pass  # r0 starts a block: the pass decides
     assert loop.tick(0.2).assignments  # and it places all three
 
     near_end = _running_loop(gen_len=40, block_len=40)
-    cont = near_end.continue_steps(0.2, [step_result("i0", *(outcome(f"r{k}", num=8) for k in range(3)))], 32)
+    cont = _continue(near_end, 0.2, step_result("i0", *(outcome(f"r{k}", num=8) for k in range(3))))
     assert cont.continued_ids == []  # 40 - 9 = 31 tokens left: below the minimum
 
     queued = _running_loop(num_requests=3)
     queued.on_arrival(0.15, make_request("late"))  # the toy instance (max batch 8) has room: placed
     queued.view.instances["i0"].max_batch = 4  # now full at four: a fifth request would queue
     queued.view.add_request(make_request("waiting"))
-    cont = queued.continue_steps(0.2, [step_result("i0", *(outcome(f"r{k}") for k in range(3)))], 32)
+    cont = _continue(queued, 0.2, step_result("i0", *(outcome(f"r{k}") for k in range(3))))
     assert cont.continued_ids == []  # "late" is still running (not READY): the pass owns this instance
     assert cont.needs_pass
 
@@ -63,8 +67,7 @@ def test_no_continuation_at_a_block_start_near_the_end_or_with_a_queue():
 def test_finished_request_frees_its_slot_through_the_pass():
     loop = _running_loop()
     loop.view.add_request(make_request("waiting"))
-    cont = loop.continue_steps(0.2, [step_result("i0", outcome("r0", finished=True), outcome("r1"), outcome("r2"))],
-                               32)
+    cont = _continue(loop, 0.2, step_result("i0", outcome("r0", finished=True), outcome("r1"), outcome("r2")))
     assert cont.continued_ids == [] and cont.needs_pass  # a queue and room: the pass admits into the slot
     placed = {a.request_id for a in loop.tick(0.2).assignments}
     assert {"r1", "r2", "waiting"} <= placed
@@ -75,8 +78,8 @@ def test_an_instance_that_went_on_by_itself_is_mirrored_at_its_thresholds():
     those thresholds even where its own checks (a queue, a block start) would have said no."""
     loop = _running_loop()
     loop.view.add_request(make_request("waiting"))  # a queue and room: continue_steps alone would not go on
-    results = [step_result("i0", *(outcome(f"r{k}") for k in range(3)))]
-    cont = loop.continue_steps(0.2, results, 32, running={"i0": [("r0", 0.7), ("r1", 0.8)]})
+    result = step_result("i0", *(outcome(f"r{k}") for k in range(3)))
+    cont = _continue(loop, 0.2, result, running={"i0": [("r0", 0.7), ("r1", 0.8)]})
     assert sorted(cont.continued_ids) == ["r0", "r1"]
     assert {a.request_id: a.threshold for a in cont.decisions.assignments} == {"r0": 0.7, "r1": 0.8}
     assert loop.view.requests["r0"].status == RequestStatus.RUNNING

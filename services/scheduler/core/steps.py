@@ -1,0 +1,428 @@
+"""Every decision about a step, in one place: ``StepScheduler`` turns events into step commands.
+
+The policy (``SchedulingLoop`` over a ``Policy``) decides admission, thresholds, placement and
+migration. Around it, this module decides what a step *is* and when it goes:
+
+- **batch composition**: an idle instance's next command carries every request on it whose next step
+  is assigned (RUNNING or MIGRATING) and whose state is not being reloaded, at its threshold and
+  stored state version, ``load_state`` where the instance does not hold its latest state; the
+  instance a request left is told to drop its copy (``dispatch``);
+- **overlap** (``StepConfig.overlap_min_tokens``): an instance whose requests simply go on gets its
+  next command before the scheduling pass (``SchedulingLoop.continue_steps``); the pass and the
+  continued requests' next thresholds (``SchedulingLoop.replan``) come after (``finish_results``);
+- **pipelining** (``StepConfig.pipelining``, with overlap): while a step runs, the command for the
+  step after it (``StepCommand.after_step_id``), at the thresholds chosen so far, where a pass could
+  not place anything else on that instance; re-sent when ``replan`` changed a threshold. So a
+  pipelined step runs at the thresholds replanned after the step before last;
+- **catch-up**: a worker that went on by itself (``BatchOutcome.continued_step_id``) is mirrored in
+  the view at the thresholds it ran; a lost or failed step is re-run once the driver has reloaded the
+  request's stored state (``reloaded``: counters catch up with steps stored but never reported).
+
+Two calls per batch of step results, as the live service needs them: ``on_results`` (the critical
+path: record, release or continue, dispatch) and ``finish_results`` (after the fresh predictions:
+the pass, replan, the held commands). Every other event is one call. Each returns ``StepDecisions``:
+wire ``StepCommand``s to carry out in order, rejections, migrations, requests whose state must be
+reloaded, instances drained and removed. No I/O, no clock: ``now`` is passed in. The scheduler
+service translates NATS and Redis to these calls; the simulator makes the same calls on virtual time
+and runs the commands on its engines.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from services.scheduler.core.decisions import BatchOutcome, Decisions, Rejection, StepAssignment
+from services.scheduler.core.loop import Continuation, SchedulingLoop
+from services.scheduler.core.request import CacheMode, Prediction, Request, RequestStatus
+from shared.messages.predictor import PredictionQuery
+from shared.messages.steps import StepCommand, StepItem
+from shared.profiles import LatencyProfile
+
+_RUNNABLE = (RequestStatus.RUNNING, RequestStatus.MIGRATING)
+
+
+@dataclass(frozen=True, slots=True)
+class StepConfig:
+    """How steps follow each other (the live defaults: ``DLS_SCHEDULER_OVERLAP_MIN_TOKENS``,
+    ``DLS_SCHEDULER_PIPELINE_STEPS``)."""
+
+    overlap_min_tokens: int = 32  # overlap: continue instances whose requests have this many tokens to go; 0: off
+    pipelining: bool = True  # send the step after the running one in advance (needs overlap)
+
+    @property
+    def overlap(self) -> bool:
+        return self.overlap_min_tokens > 0
+
+    @property
+    def pipelines(self) -> bool:
+        return self.pipelining and self.overlap
+
+
+@dataclass(slots=True)
+class StepDecisions:
+    """What one event decided, for the driver to carry out."""
+
+    commands: list[StepCommand] = field(default_factory=list)  # in order; ``after_step_id`` ones are held
+    rejections: list[Rejection] = field(default_factory=list)
+    migrations: list[StepAssignment] = field(default_factory=list)
+    reload_ids: list[str] = field(default_factory=list)  # read these back from the store, then ``reloaded``
+    removed_ids: list[str] = field(default_factory=list)  # drained instances now out of the view
+
+    def extend(self, other: StepDecisions) -> StepDecisions:
+        self.commands += other.commands
+        self.rejections += other.rejections
+        self.migrations += other.migrations
+        self.reload_ids += other.reload_ids
+        self.removed_ids += other.removed_ids
+        return self
+
+
+@dataclass(slots=True)
+class PendingResults:
+    """Step results recorded by ``on_results`` whose scheduling pass is still owed (``finish_results``)."""
+
+    instance_ids: list[str]  # instances whose results these were
+    stepped_ids: list[str]  # requests that stepped and go on (ask for their predictions)
+    continuation: Continuation | None = None  # overlap: what went on before the pass
+
+
+@dataclass(slots=True)
+class ResultsPass:
+    decisions: StepDecisions  # to carry out now (the continued steps)
+    pending: PendingResults
+    ignored: list[tuple[str, int]] = field(default_factory=list)  # (instance id, step id): not the step in flight
+    notes: list[str] = field(default_factory=list)  # what the driver may want to log
+
+
+@dataclass(frozen=True, slots=True)
+class StoredProgress:
+    """A request's counters as the store holds them (what ``reloaded`` catches up with)."""
+
+    version: int
+    num_steps: int
+    num_committed: int
+    current_block: int
+
+
+@dataclass(slots=True)
+class InstanceSteps:
+    """An instance as the step loop uses it."""
+
+    busy_step_id: int | None = None  # the command in flight
+    busy_since: float = 0.0  # when it was sent (or continued into)
+    settling: bool = False  # its results are in, their pass is owed: it takes no command yet
+    in_flight_ids: list[str] = field(default_factory=list)  # the requests of that command
+    drop_ids: list[str] = field(default_factory=list)  # to drop with the next command
+    # pipelining: held commands sent for the step after the one in flight: step id -> ((request id,
+    # threshold, may start a block) items, drop_finished); and the latest one's id (0: none)
+    next_sent: dict[int, tuple[list[tuple[str, float, bool]], bool]] = field(default_factory=dict)
+    next_step_id: int = 0
+
+
+class StepScheduler:
+    """The scheduling core: events in, ``StepDecisions`` out (module docstring)."""
+
+    def __init__(self, loop: SchedulingLoop, config: StepConfig | None = None, first_step_id: int = 0) -> None:
+        """``first_step_id``: step ids count up from here (the service starts at its clock in
+        microseconds, so a restarted scheduler never reuses an id a worker may still answer)."""
+        self.loop = loop
+        self.view = loop.view
+        self.config = config or StepConfig()
+        self._step_seq = first_step_id
+        self._instances: dict[str, InstanceSteps] = {}  # instance id -> its step state
+        self._dirty: dict[str, None] = {}  # instances that may have a command to send (ordered set)
+        self.counters = {"continued_steps": 0, "pipelined_steps": 0, "migrations": 0, "failed_steps": 0,
+                         "lost_steps": 0, "recovered_steps": 0}
+
+    # --- events ----------------------------------------------------------------------------------
+
+    def on_arrivals(self, now: float, requests: list[Request]) -> StepDecisions:
+        return self._carry(now, self.loop.on_arrivals(now, requests))
+
+    def tick(self, now: float) -> StepDecisions:
+        return self._carry(now, self.loop.tick(now))
+
+    def on_prediction(self, now: float, request_id: str, prediction: Prediction) -> None:
+        self.loop.on_prediction(now, request_id, prediction)
+
+    def add_instance(self, now: float, instance_id: str, tp: int, profile: LatencyProfile, *, node_id: str = "",
+                     max_batch: int | None = None) -> StepDecisions:
+        self.view.add_instance(instance_id, tp, profile, node_id=node_id, max_batch=max_batch)
+        self._instances[instance_id] = InstanceSteps()
+        return self.tick(now)
+
+    def drain_instance(self, now: float, instance_id: str) -> StepDecisions:
+        """Take no new work there; its requests move away at their next step; removed once empty."""
+        inst = self.view.instances.get(instance_id)
+        if inst is None or not inst.alive:
+            return StepDecisions()
+        self.view.drain_instance(instance_id)
+        return self.tick(now).extend(self._check_drained(now, instance_id))
+
+    def fail_instance(self, now: float, instance_id: str) -> StepDecisions:
+        """An instance gone (lease expired, restarted, step timed out): its requests go back to the
+        queue; those whose step was running there are reloaded before they run again."""
+        self._instances.pop(instance_id, None)
+        self._dirty.pop(instance_id, None)
+        if instance_id not in self.view.instances:
+            return StepDecisions()
+        lost = self.view.fail_instance(instance_id)
+        self.counters["lost_steps"] += len(lost)
+        return StepDecisions(reload_ids=lost).extend(self.tick(now))
+
+    def cancel(self, now: float, request_id: str, detail: str) -> StepDecisions:
+        """A request cancelled: it leaves the view; its holder drops its copy."""
+        request = self.view.requests.get(request_id)
+        if request is None:
+            return StepDecisions()
+        holder = self._instances.get(request.holder_id or "")
+        if holder is not None:
+            holder.drop_ids.append(request_id)
+            self._dirty[request.holder_id] = None
+        self.view.cancel_request(request_id, now, detail=detail)
+        return self.tick(now)
+
+    def reloaded(self, now: float, request_id: str, stored: StoredProgress | None) -> StepDecisions:
+        """A lost or failed request's stored state, read back (None: gone, or finished while its
+        result was lost): it runs again from there, or the view forgets it."""
+        request = self.view.requests.get(request_id)
+        if request is None:
+            return StepDecisions()
+        if stored is None:
+            if request.status in (RequestStatus.QUEUED, RequestStatus.READY):
+                self.view.cancel_request(request_id, now, detail="finished while its result was lost")
+        else:
+            self.counters["recovered_steps"] += self.view.reloaded(
+                request_id, stored.version, stored.num_steps, stored.num_committed, stored.current_block)
+            if request.instance_id is not None:  # placed while it waited: runnable now
+                self._dirty[request.instance_id] = None
+        return self.tick(now)
+
+    def overdue(self, now: float, timeout_s: float) -> list[str]:
+        """Instances whose step has been in flight longer than ``timeout_s`` (lost on the way)."""
+        return [iid for iid, st in self._instances.items()
+                if st.busy_step_id is not None and not st.settling and now - st.busy_since > timeout_s]
+
+    def busy(self, instance_id: str) -> bool:
+        st = self._instances.get(instance_id)
+        return st is not None and st.busy_step_id is not None
+
+    # --- step results ----------------------------------------------------------------------------
+
+    def on_results(self, now: float, results: list[BatchOutcome]) -> ResultsPass:
+        """Step results that arrived together, on the critical path: recorded (finished requests
+        leave; failed ones wait for their reload), each instance released, or kept busy with the step
+        its worker went on to by itself; with overlap, instances whose requests simply go on continue
+        now. The pass is owed: ``finish_results``."""
+        out = ResultsPass(StepDecisions(), PendingResults([], []))
+        accepted = []
+        for result in results:
+            st = self._instances.get(result.instance_id)
+            if st is None or st.busy_step_id != result.step_id or st.settling:
+                out.ignored.append((result.instance_id, result.step_id))
+            else:
+                accepted.append(result)
+        if not accepted:
+            return out
+        self.loop.record(now, accepted)
+        running = {}  # instance id -> (request id, threshold) pairs its worker went on with
+        for result in accepted:
+            out.decisions.reload_ids += self._requeue_failed(result)
+            pairs = self._release(now, result, out.notes)
+            if pairs is not None:
+                running[result.instance_id] = pairs
+            out.pending.instance_ids.append(result.instance_id)
+            out.pending.stepped_ids += [o.request_id for o in result.outcomes
+                                        if not o.finished and o.request_id in self.view.requests]
+        if self.config.overlap or running:
+            cont = self.loop.continue_steps(now, out.pending.instance_ids, self.config.overlap_min_tokens, running)
+            continued = dict.fromkeys(a.instance_id for a in cont.decisions.assignments)
+            self.counters["continued_steps"] += len(continued)
+            for iid in continued:
+                self._settle(iid)
+            out.pending.continuation = cont
+            out.decisions.extend(self._carry(now, cont.decisions))
+        return out
+
+    def finish_results(self, now: float, pending: PendingResults,
+                       predictions: Mapping[str, Prediction] | None = None) -> StepDecisions:
+        """The scheduling pass owed to ``on_results``, with the fresh predictions; then, with overlap,
+        the continued requests' thresholds for the step after (``replan``) and their held commands."""
+        for rid, prediction in (predictions or {}).items():
+            self.loop.on_prediction(now, rid, prediction)
+        for iid in pending.instance_ids:
+            self._settle(iid)
+        cont = pending.continuation
+        if cont is None or cont.needs_pass or self.view.ready_ids:
+            out = self.tick(now)
+        else:  # no pass, but a freed instance may hold requests a pass assigned it while it was busy
+            out = StepDecisions(commands=self._dispatch(now))
+        if cont is not None and cont.continued_ids:
+            self.loop.replan(now, cont.continued_ids)
+            if self.config.pipelines:  # the step after the continued ones, at the thresholds replan chose
+                for iid in dict.fromkeys(a.instance_id for a in cont.decisions.assignments):
+                    out.commands += self._send_next(now, iid)
+        for iid in pending.instance_ids:
+            out.extend(self._check_drained(now, iid))
+        return out
+
+    def queries(self, request_ids: list[str]) -> list[PredictionQuery]:
+        """The predictor's queries for these requests between steps (the service's and the simulator's)."""
+        queries = []
+        for rid in request_ids:
+            r = self.view.requests.get(rid)
+            if r is None:
+                continue
+            block_index, block_size, block_committed = r.last_block
+            queries.append(PredictionQuery(
+                request_id=rid, num_steps_done=r.num_steps_done, gen_length=r.gen_len, prompt_length=r.prompt_len,
+                block_length=r.block_len, num_committed=r.num_tokens_committed, block_committed=block_committed,
+                block_size=block_size, block_index=block_index, confidence=r.confidence,
+                uses_cache=r.cache_mode != CacheMode.NONE, threshold=r.threshold,
+            ))
+        return queries
+
+    # --- helpers ---------------------------------------------------------------------------------
+
+    def _requeue_failed(self, result: BatchOutcome) -> list[str]:
+        failed = [rid for rid in result.failed_ids if rid in self.view.requests]
+        for rid in failed:
+            self.view.requeue_request(rid)
+        self.counters["failed_steps"] += len(failed)
+        return failed
+
+    def _release(self, now: float, result: BatchOutcome, notes: list[str]) -> list[tuple[str, float]] | None:
+        """Free the instance after its step, or keep it busy with the held command its worker ran;
+        returns that command's (request id, threshold) pairs, None when the worker did not go on."""
+        st = self._instances[result.instance_id]
+        sent = st.next_sent
+        st.next_sent, st.next_step_id = {}, 0
+        if not result.continued_step_id:
+            # freed once its pass is done (finish_results), or now if overlap continues it: a command
+            # sent before the pass would carry only the requests placed there earlier, and the rest
+            # would wait a step (an instance's requests taking turns in two half batches)
+            st.settling = True
+            return None
+        items, _ = sent.get(result.continued_step_id, (None, True))
+        if items is None:  # only across a scheduler restart: go by the step's own requests
+            notes.append(f"instance {result.instance_id} went on to step {result.continued_step_id}, which this "
+                         "scheduler did not send")
+            items = [(rid, float(r.threshold), False) for rid in st.in_flight_ids
+                     if (r := self.view.requests.get(rid)) is not None and r.threshold is not None]
+        finished = {o.request_id for o in result.outcomes if o.finished}  # left out of it
+        pairs = [(rid, threshold) for rid, threshold, _ in items if rid not in finished]
+        st.busy_step_id, st.busy_since = result.continued_step_id, now
+        st.in_flight_ids = [rid for rid, _ in pairs]
+        self.counters["pipelined_steps"] += 1
+        return pairs
+
+    def _settle(self, instance_id: str) -> None:
+        """An instance whose results are in is free for its next command."""
+        st = self._instances.get(instance_id)
+        if st is not None and st.settling:
+            st.settling, st.busy_step_id, st.in_flight_ids = False, None, []
+            self._dirty[instance_id] = None
+
+    def _carry(self, now: float, decisions: Decisions) -> StepDecisions:
+        """A policy's decisions as step decisions: the migrations noted, then every command due."""
+        out = StepDecisions(rejections=list(decisions.rejections))
+        for a in decisions.assignments:
+            self._dirty[a.instance_id] = None
+            if a.is_migration:
+                out.migrations.append(a)
+                self.counters["migrations"] += 1
+        out.commands = self._dispatch(now)
+        for a in out.migrations:  # a draining instance may have lost its last request
+            if a.from_instance_id:
+                out.extend(self._check_drained(now, a.from_instance_id))
+        return out
+
+    def _dispatch(self, now: float) -> list[StepCommand]:
+        """A command for every idle instance with runnable requests; drop-only commands for idle
+        instances that requests left."""
+        commands = []
+        dirty, self._dirty = self._dirty, {}
+        for iid in dirty:
+            st = self._instances.setdefault(iid, InstanceSteps()) if iid in self.view.instances else None
+            if st is None or st.busy_step_id is not None:
+                if st is not None:
+                    self._dirty[iid] = None  # busy: looked at again when it is released
+                continue
+            items = self._batch(iid)
+            if items or st.drop_ids:
+                commands += self._send(now, iid, st, items)
+        return commands
+
+    def _batch(self, instance_id: str) -> list[StepItem]:
+        """Batch composition: the requests on the instance whose next step is assigned."""
+        items = []
+        for rid in self.view.instances[instance_id].resident_ids:
+            r = self.view.requests[rid]
+            if r.status not in _RUNNABLE or r.reloading:
+                continue
+            items.append(StepItem(request_id=rid, threshold=float(r.threshold), state_version=r.state_version,
+                                  load_state=r.holder_id != instance_id))
+            old = self._instances.get(r.holder_id) if r.holder_id not in (None, instance_id) else None
+            if old is not None and rid not in old.drop_ids:
+                old.drop_ids.append(rid)
+                self._dirty[r.holder_id] = None
+        return items
+
+    def _send(self, now: float, instance_id: str, st: InstanceSteps, items: list[StepItem]) -> list[StepCommand]:
+        self._step_seq += 1
+        command = StepCommand(instance_id=instance_id, step_id=self._step_seq, items=items,
+                              drop_request_ids=st.drop_ids, issued_at=now)
+        st.drop_ids = []
+        if not items:
+            return [command]
+        st.busy_step_id, st.busy_since = self._step_seq, now
+        st.in_flight_ids = [it.request_id for it in items]
+        st.next_step_id, st.next_sent = 0, {}
+        return [command, *self._send_next(now, instance_id)]
+
+    def _send_next(self, now: float, instance_id: str) -> list[StepCommand]:
+        """Pipelining: the command for the step after the one in flight, at the requests' current
+        thresholds. The worker runs it the moment its step ends if the batch is unchanged: a request
+        that completed its block goes on only if the policy would keep it here at its block start
+        (``may_start_block``, asked now); one that finished is left out when the queue is empty
+        (``drop_finished``: no one waits for its slot), else the worker waits for a pass. Sent only
+        where a pass could not place anything else there: every request on the instance is in the
+        step, and the queue is empty or the instance full. Re-sent when the thresholds changed."""
+        st = self._instances.get(instance_id)
+        inst = self.view.instances.get(instance_id)
+        if (not self.config.pipelines or st is None or st.busy_step_id is None or inst is None or not inst.alive
+                or len(inst.resident_ids) != len(st.in_flight_ids)
+                or (self.view.num_queued > 0 and inst.batch < inst.max_batch)):
+            return []
+        stays = self.loop.would_stay(instance_id, st.in_flight_ids)
+        pairs = []
+        for rid in st.in_flight_ids:
+            r = self.view.requests.get(rid)
+            if (r is None or r.reloading or r.instance_id != instance_id or r.status != RequestStatus.RUNNING
+                    or r.threshold is None):
+                return []
+            pairs.append((rid, float(r.threshold), rid in stays))
+        drop_finished = self.view.num_queued == 0
+        if st.next_step_id and st.next_sent[st.next_step_id] == (pairs, drop_finished):
+            return []  # the held command is already this one
+        self._step_seq += 1
+        # the step in flight writes one version on top of the one it started from
+        items = [StepItem(request_id=rid, threshold=threshold, state_version=self.view.requests[rid].state_version + 1,
+                          may_start_block=may_start) for rid, threshold, may_start in pairs]
+        st.next_step_id = self._step_seq
+        st.next_sent[self._step_seq] = (pairs, drop_finished)
+        return [StepCommand(instance_id=instance_id, step_id=self._step_seq, items=items, issued_at=now,
+                            after_step_id=st.busy_step_id, drop_finished=drop_finished)]
+
+    def _check_drained(self, now: float, instance_id: str) -> StepDecisions:
+        """A draining instance with no request left and no step in flight leaves the view."""
+        inst = self.view.instances.get(instance_id)
+        st = self._instances.get(instance_id)
+        if inst is None or inst.alive or inst.batch or (st is not None and st.busy_step_id is not None):
+            return StepDecisions()
+        self.view.remove_instance(instance_id)
+        out = StepDecisions(removed_ids=[instance_id])
+        if st is not None and st.drop_ids:
+            out.commands += self._send(now, instance_id, st, [])
+        return out

@@ -1,0 +1,254 @@
+"""``StepScheduler``: batch composition, overlap, pipelining and catch-up, decided in the core and tested
+without NATS or Redis (the scheduler service and the simulator drive exactly these calls)."""
+
+from __future__ import annotations
+
+from services.scheduler.core import (
+    BatchOutcome,
+    RequestStatus,
+    SchedulingLoop,
+    StepConfig,
+    StepOutcome,
+    StepScheduler,
+    StoredProgress,
+    make_policy,
+)
+from tests.unit.scheduler.sched_builders import make_request, make_view, toy_profile
+
+NO_OVERLAP = StepConfig(overlap_min_tokens=0, pipelining=False)
+OVERLAP_ONLY = StepConfig(overlap_min_tokens=32, pipelining=False)
+PIPELINED = StepConfig(overlap_min_tokens=32, pipelining=True)
+
+
+def make_core(config: StepConfig, num_instances: int = 1, policy: str = "dilaserve") -> StepScheduler:
+    view = make_view(toy_profile(), [1] * num_instances)
+    return StepScheduler(SchedulingLoop(make_policy(policy, rng=0), view), config, first_step_id=100)
+
+
+def arrive(core: StepScheduler, *ids: str, now: float = 0.0, **kwargs):
+    return core.on_arrivals(now, [make_request(rid, now, state_version=1, **kwargs) for rid in ids])
+
+
+def plain(decisions):
+    """The commands that run on arrival (not held), with items."""
+    return [c for c in decisions.commands if not c.after_step_id and c.items]
+
+
+def held(decisions):
+    return [c for c in decisions.commands if c.after_step_id]
+
+
+def report(command, *, num: int = 1, block_done=(), finished=(), failed=(), continued: int = 0) -> BatchOutcome:
+    """What the worker says after running ``command``: each item stepped (one stored version more)."""
+    outcomes = tuple(
+        StepOutcome(it.request_id, num, it.request_id in block_done, it.request_id in finished, False,
+                    state_version=it.state_version + 1, confidence=(0.5, 0.6, 0.7, 0.7, 0.8))
+        for it in command.items if it.request_id not in failed)
+    return BatchOutcome(command.instance_id, outcomes, 0.1, step_id=command.step_id, failed_ids=tuple(failed),
+                        continued_step_id=continued)
+
+
+def step(core: StepScheduler, now: float, command, predictions=None, **kwargs):
+    """One batch of results through both calls: (the critical path's decisions, the pass's)."""
+    first = core.on_results(now, [report(command, **kwargs)])
+    return first, core.finish_results(now, first.pending, predictions)
+
+
+# --- batch composition ---------------------------------------------------------------------------
+
+
+def test_an_idle_instance_gets_every_assigned_request_at_its_threshold_and_stored_version():
+    core = make_core(NO_OVERLAP)
+    [command] = plain(arrive(core, "r0", "r1"))
+    assert command.instance_id == "i0" and command.step_id == 101
+    assert [(it.request_id, it.state_version, it.load_state) for it in command.items] == [
+        ("r0", 1, True), ("r1", 1, True)]  # no instance holds them yet: loaded from the store
+    assert {it.threshold for it in command.items} == {core.view.requests["r0"].threshold}
+    assert core.busy("i0")
+    assert plain(arrive(core, "r2")) == []  # the instance is busy: r2 waits for the next step
+    first, rest = step(core, 0.1, command)
+    assert first.decisions.commands == []  # without overlap the pass comes first
+    [nxt] = plain(rest)
+    assert [(it.request_id, it.state_version, it.load_state) for it in nxt.items] == [
+        ("r0", 2, False), ("r1", 2, False), ("r2", 1, True)]
+
+
+def test_a_request_that_moved_is_loaded_where_it_goes_and_dropped_where_it_was():
+    core = make_core(NO_OVERLAP)
+    ids = [f"r{k}" for k in range(6)]
+    [command] = plain(arrive(core, *ids))
+    core.add_instance(0.05, "i1", 1, toy_profile(), node_id="n0")  # empty: 100 ms a step vs 150 ms at batch 6
+    _, rest = step(core, 0.1, command, block_done=ids)  # block starts: where migration is decided
+    by_instance = {c.instance_id: c for c in plain(rest)}
+    moved = [it.request_id for it in by_instance["i1"].items]
+    assert moved and all(it.load_state for it in by_instance["i1"].items)
+    assert {m.request_id for m in rest.migrations} == set(moved)
+    assert not any(it.load_state for it in by_instance["i0"].items)
+    _, after = step(core, 0.2, by_instance["i0"])
+    [i0_next] = [c for c in after.commands if c.instance_id == "i0"]
+    assert sorted(i0_next.drop_request_ids) == sorted(moved)  # i0 frees their copies
+
+
+def test_a_failed_step_is_rerun_once_its_state_is_reloaded():
+    core = make_core(NO_OVERLAP)
+    [command] = plain(arrive(core, "r0", "r1"))
+    first, rest = step(core, 0.1, command, failed=("r1",))
+    assert first.decisions.reload_ids == ["r1"]
+    [nxt] = plain(rest)
+    assert [it.request_id for it in nxt.items] == ["r0"]  # r1 waits for its state
+    assert core.view.requests["r1"].reloading and core.view.requests["r1"].holder_id is None
+    # the store holds two steps of r1 (a worker wrote the second and its result was lost)
+    out = core.reloaded(0.15, "r1", StoredProgress(version=3, num_steps=2, num_committed=2, current_block=0))
+    r1 = core.view.requests["r1"]
+    assert (r1.num_steps_done, r1.num_tokens_committed, r1.state_version, r1.reloading) == (2, 2, 3, False)
+    assert core.counters["recovered_steps"] == 2  # neither step of it was reported
+    assert plain(out) == []  # i0 is busy with r0's step; r1 goes with the next one
+    _, rest = step(core, 0.2, nxt)
+    [again] = plain(rest)
+    assert [(it.request_id, it.state_version, it.load_state) for it in again.items] == [
+        ("r0", 3, False), ("r1", 3, True)]
+
+
+def test_a_failed_instance_sends_its_requests_elsewhere_after_their_reload():
+    core = make_core(NO_OVERLAP, num_instances=2)
+    commands = plain(arrive(core, "r0"))
+    [command] = commands
+    lost_on = command.instance_id
+    out = core.fail_instance(1.0, lost_on)
+    assert out.reload_ids == ["r0"] and core.counters["lost_steps"] == 1
+    assert plain(out) == []  # not before its state is read back
+    out = core.reloaded(1.1, "r0", StoredProgress(version=1, num_steps=0, num_committed=0, current_block=0))
+    [again] = plain(out)
+    assert again.instance_id != lost_on and again.items[0].load_state
+
+
+def test_results_that_are_not_the_step_in_flight_are_ignored():
+    core = make_core(NO_OVERLAP)
+    [command] = plain(arrive(core, "r0"))
+    stale = BatchOutcome("i0", (StepOutcome("r0", 1),), step_id=command.step_id - 1)
+    out = core.on_results(0.1, [stale])
+    assert out.ignored == [("i0", command.step_id - 1)] and core.view.requests["r0"].num_steps_done == 0
+
+
+def test_a_drained_instance_leaves_once_its_step_is_back_and_a_cancel_frees_the_copy():
+    core = make_core(NO_OVERLAP, num_instances=2)
+    [command] = plain(arrive(core, "r0"))
+    where = command.instance_id
+    assert core.drain_instance(0.05, where).removed_ids == []  # its step is in flight
+    _, rest = step(core, 0.1, command)
+    assert rest.removed_ids == [where] and where not in core.view.instances
+    [moved] = plain(rest)
+    assert moved.instance_id != where and moved.items[0].load_state
+    _, rest = step(core, 0.2, moved)
+    [nxt] = plain(rest)
+    cancelled = core.cancel(0.25, "r0", "client left")
+    assert "r0" not in core.view.requests and cancelled.commands == []  # its holder is busy: drop comes next
+    _, rest = step(core, 0.3, nxt)
+    [drop] = rest.commands
+    assert drop.items == [] and drop.drop_request_ids == ["r0"]
+
+
+# --- overlap and pipelining ----------------------------------------------------------------------
+
+
+def test_overlap_sends_the_next_step_before_the_pass_and_replans_its_thresholds_after():
+    core = make_core(OVERLAP_ONLY)
+    [command] = plain(arrive(core, "r0", "r1", slo_s=60.0))
+    top = command.items[0].threshold
+    first = core.on_results(59.0, [report(command)])  # mid-block, 255 tokens to go, one second left
+    [cont] = plain(first.decisions)
+    assert [it.threshold for it in cont.items] == [top, top]  # continued at the thresholds it had
+    rest = core.finish_results(59.0, first.pending)
+    assert rest.commands == []  # nothing else to send, no held commands without pipelining
+    assert core.view.requests["r0"].threshold < top  # replanned: the step after this one runs lower
+    assert core.counters["continued_steps"] == 1
+
+
+def test_no_overlap_at_a_block_start():
+    core = make_core(OVERLAP_ONLY)
+    [command] = plain(arrive(core, "r0", "r1"))
+    first = core.on_results(0.1, [report(command, block_done=("r0",))])
+    assert plain(first.decisions) == []
+    assert [c.instance_id for c in plain(core.finish_results(0.1, first.pending))] == ["i0"]
+
+
+def test_pipelining_holds_the_step_after_the_running_one_where_no_pass_could_change_the_batch():
+    core = make_core(PIPELINED)
+    out = arrive(core, "r0", "r1")
+    [command], [nxt] = plain(out), held(out)
+    assert nxt.after_step_id == command.step_id and nxt.step_id == command.step_id + 1
+    assert [(it.request_id, it.threshold, it.state_version) for it in nxt.items] == [
+        (it.request_id, it.threshold, it.state_version + 1) for it in command.items]  # the version the step writes
+    assert nxt.drop_finished  # nobody queues for a finished request's slot
+    assert all(it.may_start_block for it in nxt.items)  # one instance: nowhere to move at a block start
+
+    busy = make_core(PIPELINED)
+    busy.view.instances["i0"].max_batch = 4
+    busy.loop.view.table.max_batch[0] = 4
+    out = arrive(busy, "a", "b", "c")
+    assert held(out)  # room but no queue
+    more = arrive(busy, "d", "e")  # d fills the instance (RUNNING, not in the step), e queues
+    assert held(more) == []
+
+
+def test_a_pipelined_step_runs_at_the_threshold_replanned_after_the_step_before_last():
+    core = make_core(PIPELINED)
+    out = arrive(core, "r0", "r1", slo_s=60.0)
+    [step_a], [step_b] = plain(out), held(out)
+    top = step_a.items[0].threshold
+    # step A ends at t=59: the worker goes straight on to B (at A's thresholds) and reports A
+    first = core.on_results(59.0, [report(step_a, continued=step_b.step_id)])
+    assert plain(first.decisions) == []  # nothing to send: i0 is busy with B
+    assert core.busy("i0") and core.counters["pipelined_steps"] == 1
+    assert {core.view.requests[r].threshold for r in ("r0", "r1")} == {top}  # the core mirrors B
+    rest = core.finish_results(59.0, first.pending)
+    [step_c] = held(rest)  # the step after B, replanned with A's results
+    assert step_c.after_step_id == step_b.step_id
+    assert all(it.threshold < top for it in step_c.items)
+    assert [it.state_version for it in step_c.items] == [it.state_version + 2 for it in step_a.items]
+
+
+def test_a_continued_step_leaves_out_the_requests_that_finished():
+    core = make_core(PIPELINED)
+    out = arrive(core, "r0", "r1", "r2")
+    [step_a], [step_b] = plain(out), held(out)
+    first = core.on_results(0.1, [report(step_a, finished=("r1",), continued=step_b.step_id)])
+    assert "r1" not in core.view.requests
+    assert core._instances["i0"].in_flight_ids == ["r0", "r2"]
+    assert {r: core.view.requests[r].status for r in ("r0", "r2")} == {"r0": RequestStatus.RUNNING,
+                                                                       "r2": RequestStatus.RUNNING}
+    assert first.pending.stepped_ids == ["r0", "r2"]
+
+
+def test_a_continued_step_this_scheduler_never_sent_is_mirrored_from_the_step_and_noted():
+    core = make_core(PIPELINED)
+    [step_a] = plain(arrive(core, "r0"))
+    first = core.on_results(0.1, [report(step_a, continued=999)])
+    assert first.notes and core._instances["i0"].busy_step_id == 999
+    assert core.view.requests["r0"].status == RequestStatus.RUNNING
+
+
+def test_predictions_reach_the_pass_and_queries_describe_the_request_between_steps():
+    core = make_core(NO_OVERLAP)
+    [command] = plain(arrive(core, "r0", gen_len=64, block_len=32))
+    first = core.on_results(0.1, [report(command, num=3)])
+    [query] = core.queries(first.pending.stepped_ids)
+    assert (query.num_steps_done, query.num_committed, query.block_index, query.block_committed, query.block_size) \
+        == (1, 3, 0, 3, 32)
+    assert query.confidence == (0.5, 0.6, 0.7, 0.7, 0.8) and query.uses_cache and query.prompt_length == 256
+    from services.scheduler.core import Prediction
+
+    prediction = Prediction({t: (0, 1) for t in core.loop.policy.grid.values}, made_at_step=1)
+    core.finish_results(0.1, first.pending, {"r0": prediction})
+    assert core.view.requests["r0"].prediction is prediction
+
+
+def test_requests_placed_while_an_instance_ran_go_with_its_returning_ones_in_one_batch():
+    """Not two half batches taking turns: the instance waits for the pass that places its returning requests."""
+    core = make_core(OVERLAP_ONLY)
+    [command] = plain(arrive(core, "a", "b"))
+    arrive(core, "c", now=0.05)  # placed on the busy instance: it waits
+    first = core.on_results(0.1, [report(command)])
+    assert first.decisions.commands == []  # c alone would go now, and a, b a step later
+    [nxt] = plain(core.finish_results(0.1, first.pending))
+    assert sorted(it.request_id for it in nxt.items) == ["a", "b", "c"]
