@@ -51,6 +51,14 @@ def _common(parser: argparse.ArgumentParser) -> None:
                              "highest's on this model (default: the preset's, 1.0); 'none': all of them")
     parser.add_argument("--prediction", default="auto",
                         help="auto (the trained step predictor if present, else fallback), predictor, fallback")
+    parser.add_argument("--no-pipelining", action="store_true",
+                        help="no step sent ahead to its instance (the live DLS_SCHEDULER_PIPELINE_STEPS=false)")
+    parser.add_argument("--no-overlap", action="store_true",
+                        help="every step waits for its scheduling pass (DLS_SCHEDULER_OVERLAP_MIN_TOKENS=0; "
+                             "pipelining needs overlap, so it goes too)")
+    parser.add_argument("--overlap-min-tokens", type=int, default=None, metavar="N",
+                        help="overlap continues requests with at least N tokens to go (default: the live "
+                             "scheduler's, 32)")
 
 
 def _setup(args):
@@ -79,7 +87,17 @@ def _setup(args):
         raise CliError(f"--profile: file not found: {args.profile}")
     if not Path(args.model).is_dir():
         raise CliError(f"--model: not a directory: {args.model}")
-    return experiments.setup(preset, args.model, args.profile, prediction=args.prediction)
+    return experiments.setup(preset, args.model, args.profile, prediction=args.prediction, steps=_steps(args))
+
+
+def _steps(args):
+    """Overlap and pipelining as the flags say (default: as the live scheduler runs them)."""
+    from services.scheduler.core import StepConfig
+
+    min_tokens = StepConfig().overlap_min_tokens if args.overlap_min_tokens is None else args.overlap_min_tokens
+    if min_tokens < 0:
+        raise CliError(f"--overlap-min-tokens: must be >= 0, got {min_tokens}")
+    return StepConfig(overlap_min_tokens=0 if args.no_overlap else min_tokens, pipelining=not args.no_pipelining)
 
 
 def _with_trace(preset, path: str, time_scale: float | None):
@@ -205,7 +223,8 @@ def cmd_capacity(args) -> int:
 def print_table(result: dict) -> None:
     setup = result["setup"]
     trace = setup.get("trace")
-    print(f"preset {result['preset']}: SLO {setup['slo_s']:.3f}s, nominal capacity {setup['nominal_capacity_rps']:.1f} req/s")
+    print(f"preset {result['preset']}: SLO {setup['slo_s']:.3f}s, nominal capacity {setup['nominal_capacity_rps']:.1f} "
+          f"req/s, overlap {'on' if setup['overlap'] else 'off'}, pipelining {'on' if setup['pipelining'] else 'off'}")
     if trace:
         print(f"trace {trace['path']} ({trace['layout']}, {trace['num_requests']} requests): rps = the replayed "
               f"mean rate = native x scale")

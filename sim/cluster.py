@@ -2,9 +2,10 @@
 execution of the reconfigurator's Stage 2 plans (drain and stop, then start after a start-up time).
 
 Instances are registered in the scheduler's ``ClusterView`` (the only instance state policies
-read). A stopped instance is drained first (``ClusterView.drain_instance``: it takes no new work,
-its requests move at their next step) and removed once empty; an instance the plan starts waits for
-its GPUs to be free, then for ``startup_s`` (model load), then joins the view.
+read). A stopped instance is drained first (``StepScheduler.drain_instance``: it takes no new work,
+its requests move at their next step) and removed once empty (by the scheduling core, as live;
+``release`` then frees its GPUs); an instance the plan starts waits for its GPUs to be free, then for
+``startup_s`` (model load), then joins the view.
 """
 
 from __future__ import annotations
@@ -98,14 +99,16 @@ class SimCluster:
             self.gpu_to_owner[(instance.node, gpu)] = "<starting>"
 
     def drain(self, instance: Instance) -> str | None:
+        """Mark an instance to stop (the scheduling core drains it in the view); its id, or None if
+        it is not running or already draining."""
         iid = self.instance_id_of(instance)
-        if iid is not None and iid not in self.draining_ids:
-            self.view.drain_instance(iid)
-            self.draining_ids.add(iid)
+        if iid is None or iid in self.draining_ids:
+            return None
+        self.draining_ids.add(iid)
         return iid
 
-    def remove(self, iid: str) -> None:
-        self.view.remove_instance(iid)
+    def release(self, iid: str) -> None:
+        """A drained instance left the view (the scheduling core removed it): its GPUs are free."""
         self.draining_ids.discard(iid)
         instance = self.id_to_instance.pop(iid)
         for gpu in instance.gpu_ids:

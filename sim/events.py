@@ -6,16 +6,14 @@ with the simulator's own kinds:
 
 1. ``STEP_END``: a batched step finished; frees batch slots and brings progress (scheduler: step result)
 2. ``PREDICTION``: an asynchronous remaining-step prediction lands
-3. ``MIGRATION_DONE``: a migrated request's state reached its destination
-4. ``INSTANCE_UP`` / ``INSTANCE_DRAINED``: cluster changes (scheduler: instance change)
-5. ``RECONFIG``: the reconfigurator's periodic planning pass (may drain and start instances)
-6. ``ARRIVAL``: a request arrives
-7. ``STEP_START``: an idle instance starts its next batched step; after every same-time scheduling
-   event, so that a step takes everything placed at that instant
-8. ``SAMPLE``: a timeline sample (configuration, thresholds), after everything else at that time
+3. ``INSTANCE_UP``: a started instance joins (scheduler: instance change)
+4. ``RECONFIG``: the reconfigurator's periodic planning pass (may drain and start instances)
+5. ``ARRIVAL``: a request arrives
+6. ``SAMPLE``: a timeline sample (configuration, thresholds), after everything else at that time
 
-Among events of one kind and time, the one pushed first runs first (``seq``). Completions happen at
-``STEP_END`` (a request finishes when its last step does) and are recorded there.
+Among events of one kind and time, the one pushed first runs first (``seq``). A step starts when the
+scheduling core's command for it is carried out, inside the event that led to it (as a worker starts
+on receipt); completions happen at ``STEP_END`` (a request finishes when its last step does).
 """
 
 from __future__ import annotations
@@ -30,10 +28,7 @@ __all__ = ["Event", "EventQueue", "SimEvent"]
 class SimEvent(IntEnum):
     STEP_END = 0
     PREDICTION = 1
-    MIGRATION_DONE = 2
-    INSTANCE_UP = 3
-    INSTANCE_DRAINED = 4
-    RECONFIG = 5
-    ARRIVAL = 6
-    STEP_START = 7
-    SAMPLE = 8
+    INSTANCE_UP = 2
+    RECONFIG = 3
+    ARRIVAL = 4
+    SAMPLE = 5

@@ -19,7 +19,14 @@ from services.reconfigurator.core.reconfigurator import Reconfigurator
 from services.reconfigurator.core.solver import SolverOptions
 from services.reconfigurator.core.stage1 import Stage1Options
 from services.reconfigurator.core.stage2 import Stage2Options
-from services.scheduler.core import CacheMode, ClusterView, SchedulingLoop, make_config, make_policy
+from services.scheduler.core import (
+    CacheMode,
+    ClusterView,
+    SchedulingLoop,
+    StepConfig,
+    make_config,
+    make_policy,
+)
 from services.scheduler.core.policies import POLICIES
 from services.scheduler.core.threshold import within_quality_budget
 from shared.profiles import LatencyProfile
@@ -52,6 +59,7 @@ class Setup:
     capacity_rps: float  # nominal: fixed 0.9 on the initial cluster, within the SLO
     model_dir: str
     prediction: str = "auto"
+    steps: StepConfig = StepConfig()  # overlap and pipelining, as the live scheduler runs them by default
 
     def predictor(self):
         thresholds = make_config("dilaserve").thresholds
@@ -94,6 +102,9 @@ class Setup:
             "cache_mode": self.preset.cache_mode.name.lower(),
             "replay_tokens_per_step": {f"{t:.2f}": round(v, 3) for t, v in sorted(self.trace.tokens_per_step().items())},
             "replay_accuracy": self.trace.accuracy,
+            "pipelining": self.steps.pipelines,
+            "overlap": self.steps.overlap,
+            "overlap_min_tokens": self.steps.overlap_min_tokens,
             "prediction_source": self.prediction,
             "prediction_source_used": type(self.predictor()).__name__,
             "trace": self.trace_description(),
@@ -116,6 +127,7 @@ def setup(
     profile_path: str = DEFAULT_PROFILE,
     trace: ReplayTrace | None = None,
     prediction: str = "auto",
+    steps: StepConfig | None = None,
 ) -> Setup:
     # the preset's own few-shot count when all its prompts have one (closer replay), else a mix
     shots = preset.workload.num_shots if preset.workload.lengths == "fixed" else None
@@ -134,7 +146,8 @@ def setup(
     base = timer.isolated_latency(1, rec, cache, no_cache=no_cache)
     slo = preset.workload.slo_classes[0].slo_factor * base
     capacity = nominal_capacity(preset, timer, rec, cache, slo)
-    return Setup(preset, trace, profile, scale, timer, base, slo, capacity, model_dir, prediction)
+    return Setup(preset, trace, profile, scale, timer, base, slo, capacity, model_dir, prediction,
+                 steps or StepConfig())
 
 
 def _mean_context(model_dir: str, num_shots: int, gen_len: int) -> float:
@@ -201,7 +214,7 @@ def run_point(setup_: Setup, label: str, point_index: int, engine_name: str | No
         loop, cluster, engine, setup_.timer, workload.requests,
         predictor=setup_.predictor(),
         reconfigurator=reconfigurator, cache_mode=preset.cache_mode,
-        sample_period_s=preset.sample_period_s, clock=clock,
+        sample_period_s=preset.sample_period_s, clock=clock, steps=setup_.steps,
     )
     result = sim.run()
     summary = summarize(result.records)
@@ -215,6 +228,9 @@ def run_point(setup_: Setup, label: str, point_index: int, engine_name: str | No
         trace_native_rps=None if workload.trace_native_rps is None else round(workload.trace_native_rps, 4),
         scale=None if workload.scale is None else round(workload.scale, 4),
         duration_s=round(workload.duration_s, 3), wall_s=round(result.wall_s, 3), num_events=result.num_events,
+        # as the live scheduler counts them: steps an instance went on with before the pass (overlap,
+        # pipelining included), and of those, steps run from a held command (pipelining)
+        continued_steps=sim.core.counters["continued_steps"], pipelined_steps=sim.core.counters["pipelined_steps"],
     )
     summary["reconfiguration"] = reconfigures
     if preset.cluster.reconfigure:

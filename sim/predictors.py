@@ -11,17 +11,20 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from services.scheduler.core import CacheMode, Prediction, Request
+import msgspec
+
+from services.scheduler.core import Prediction
 from services.scheduler.core.threshold import DEFAULT_THRESHOLDS
-from sim.engines import EngineOutcome
+from shared.messages.predictor import PredictionQuery
 from sim.registry import Registry
 
 
 class PredictionSource(Protocol):
     latency_s: float  # virtual time from a step's end to its predictions' arrival (0: with the result)
 
-    def predict(self, items: list[tuple[Request, EngineOutcome]]) -> list[Prediction | None]:
-        """Fresh predictions for requests right after a step (``request``'s counters are pre-step)."""
+    def predict(self, queries: list[PredictionQuery]) -> list[Prediction | None]:
+        """Fresh predictions for requests right after a step (the queries the scheduling core builds,
+        ``StepScheduler.queries``, as it does for the live predictor service)."""
         ...
 
 
@@ -30,12 +33,12 @@ class FallbackOnly:
 
     latency_s = 0.0
 
-    def predict(self, items: list[tuple[Request, EngineOutcome]]) -> list[Prediction | None]:
-        return [None] * len(items)
+    def predict(self, queries: list[PredictionQuery]) -> list[Prediction | None]:
+        return [None] * len(queries)
 
 
 class StepPredictorSource:
-    """The issue-4 step predictor (``services.predictor.core.loading.load_predictor``), in process, one
+    """The step predictor (``services.predictor.core.loading.load_predictor``), in process, one
     batched call per finished step. ``one_shot``: its arrival-only ablation model.
 
     The replay engine records no confidences, so with it the queries carry progress only.
@@ -48,20 +51,14 @@ class StepPredictorSource:
         self.thresholds = tuple(thresholds)
         self.latency_s = latency_s
 
-    def predict(self, items: list[tuple[Request, EngineOutcome]]) -> list[Prediction | None]:
-        from services.predictor.core.loading import PredictionQuery
+    def predict(self, queries: list[PredictionQuery]) -> list[Prediction | None]:
+        from services.predictor.core.loading import PredictionQuery as CoreQuery
 
-        if not items:
+        if not queries:
             return []
-        queries = [
-            PredictionQuery.from_counts(
-                r.request_id, r.num_steps_done + 1, r.gen_len, r.prompt_len, r.block_len,
-                min(r.num_tokens_committed + o.num_committed, r.gen_len), o.confidences or None,
-                r.cache_mode != CacheMode.NONE, o.threshold,
-            )
-            for r, o in items
-        ]
-        predictions = self._predictor.predict(queries, self.thresholds)
+        # the wire query and the predictor core's have the same fields (tests/unit/contracts)
+        core_queries = [CoreQuery(**msgspec.structs.asdict(q)) for q in queries]
+        predictions = self._predictor.predict(core_queries, self.thresholds)
         return [
             Prediction({t: (float(rc), float(ca)) for t, (rc, ca) in p.threshold_to_steps.items()}, p.made_at_step)
             for p in predictions

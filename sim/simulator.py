@@ -1,13 +1,17 @@
-"""The discrete-event loop: arrivals, step start/end per instance, predictions, migrations,
-reconfiguration, completions, on a virtual clock. Policies are the scheduler core's, unchanged.
+"""The discrete-event loop: arrivals, batched steps per instance, predictions, reconfiguration and
+completions, on a virtual clock. Every step decision is the scheduler core's, unchanged.
 
-Every scheduling event goes through ``SchedulingLoop`` (``on_arrival``, ``on_step_result``,
-``on_prediction``, ``tick``); the decisions it returns are turned into future events here:
-assignments make an idle instance start a step (``STEP_START`` at the same instant, after every
-same-time scheduling event), migrations delay the moved request's next step by the modelled copy
-time (``MIGRATION_DONE``), rejections are recorded. A batched step takes every request assigned to
-the instance whose state is there; the engine decides its outcome at the start and the timer its
-duration; the outcome is applied at ``STEP_END``.
+The simulator makes the scheduler service's calls on ``StepScheduler`` (``on_arrivals``,
+``on_results`` then ``finish_results``, ``on_prediction``, ``tick``, ``drain_instance``) and carries
+out the ``StepDecisions`` they return as the live workers would: a ``StepCommand`` starts a batched
+step on its instance at once (the engine decides its outcome, ``StepTimer`` its duration, a moved
+request's state copy included); a held command (``after_step_id``: pipelining) waits on its instance
+and runs the moment the step it follows ends if ``shared.pipelining.held_step`` says the batch is
+unchanged, before the core hears of that step, as a worker does; rejections and completions are
+recorded. So overlap and pipelining run here as live: a continued step goes before the scheduling
+pass, at the thresholds it had, and a pipelined step at the thresholds replanned after the step
+before last. The stored state version of each request is emulated (one more per step), so held
+commands are checked as a worker checks them.
 """
 
 from __future__ import annotations
@@ -21,12 +25,16 @@ from services.reconfigurator.core.monitor import ArrivalEvent
 from services.scheduler.core import (
     BatchOutcome,
     CacheMode,
-    Decisions,
+    Prediction,
     Request,
-    RequestStatus,
     SchedulingLoop,
+    StepConfig,
+    StepDecisions,
     StepOutcome,
+    StepScheduler,
 )
+from shared.messages.steps import StepCommand
+from shared.pipelining import held_step
 from sim.cluster import PendingStart, SimCluster
 from sim.engines import EngineOutcome, SimEngine
 from sim.events import EventQueue, SimEvent
@@ -35,7 +43,6 @@ from sim.predictors import FallbackOnly, PredictionSource
 from sim.timing import StepTimer
 from sim.workload import RequestSpec
 
-_RUNNABLE = (RequestStatus.RUNNING, RequestStatus.MIGRATING)
 _PERIODIC = (SimEvent.SAMPLE, SimEvent.RECONFIG)  # they re-arm themselves while work remains
 
 
@@ -47,6 +54,26 @@ class SimResult:
     num_events: int = 0
     wall_s: float = 0.0
     end_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class _Running:
+    """A step running on an instance."""
+
+    command: StepCommand
+    token: int  # the engine's
+    duration_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class _Stepped:
+    """One request's outcome of a step, as ``held_step`` reads it (a worker's ``RequestStepResult``)."""
+
+    request_id: str
+    finished: bool
+    block_done: bool
+    num_masked: int
+    state_version: int
 
 
 class _WorkCountingQueue(EventQueue):
@@ -91,9 +118,11 @@ class Simulator:
         cache_mode: CacheMode = CacheMode.DUAL,
         sample_period_s: float = 1.0,
         clock: VirtualClock | None = None,
+        steps: StepConfig | None = None,
     ) -> None:
+        """``steps``: overlap and pipelining (default: as the live scheduler runs them)."""
         self.clock = clock or VirtualClock()
-        self.loop = loop
+        self.core = StepScheduler(loop, steps or StepConfig())
         self.view = loop.view
         self.cluster = cluster
         self.engine = engine
@@ -103,14 +132,14 @@ class Simulator:
         self.cache_mode = cache_mode
         self.sample_period_s = sample_period_s
         self.queue = _WorkCountingQueue()
-        self.records = {s.request_id: SimRequestRecord(s.request_id, s.arrival_s, s.slo_s, s.slo_class) for s in requests}
+        self.records = {s.request_id: SimRequestRecord(s.request_id, s.arrival_s, s.slo_s, s.slo_class)
+                        for s in requests}
         self.timeline = Timeline()
         self.reconfigurations: list[dict] = []
         self._plan_waves: dict[str, list] = {}  # plan id -> its waves not applied yet
-        self._specs = {s.request_id: s for s in requests}  # request id -> spec
-        self._busy_ids: set[str] = set()  # instances with a step in flight
-        self._start_pending_ids: set[str] = set()  # instances with a STEP_START queued
-        self._ready_at: dict[str, float] = {}  # request id -> when its migrated state lands
+        self._running: dict[str, _Running] = {}  # instance id -> its step in flight
+        self._held: dict[str, StepCommand] = {}  # instance id -> the command held for the step after it
+        self._versions: dict[str, int] = {}  # request id -> version of its stored state (emulated)
         self._num_outstanding = len(requests)
         self._window_threshold = [0.0, 0]  # sum of step thresholds, steps, since the last sample
         self._window_arrivals = 0
@@ -130,12 +159,9 @@ class Simulator:
             self.queue.push(self.cluster.spec.reconfig_period_s, SimEvent.RECONFIG)
         handlers = {
             SimEvent.ARRIVAL: self._on_arrival,
-            SimEvent.STEP_START: self._on_step_start,
             SimEvent.STEP_END: self._on_step_end,
             SimEvent.PREDICTION: self._on_prediction,
-            SimEvent.MIGRATION_DONE: self._on_migration_done,
             SimEvent.INSTANCE_UP: self._on_instance_up,
-            SimEvent.INSTANCE_DRAINED: self._on_instance_drained,
             SimEvent.RECONFIG: self._on_reconfig,
             SimEvent.SAMPLE: self._on_sample,
         }
@@ -156,91 +182,73 @@ class Simulator:
         self._window_arrivals += 1
         self.engine.admit(spec, self.cache_mode)
         prompt_len = self.engine.prompt_len(spec)
+        self._versions[spec.request_id] = 1  # stored, as the live scheduler's create() does
         request = Request(
             spec.request_id, spec.arrival_s, prompt_len, spec.gen_len, spec.slo_s, block_len=spec.block_len,
-            priority=spec.priority, cache_mode=self.cache_mode, min_threshold=spec.min_threshold,
+            priority=spec.priority, cache_mode=self.cache_mode, min_threshold=spec.min_threshold, state_version=1,
         )
         if self.reconfigurator is not None:
             self.reconfigurator.observe(ArrivalEvent(self.now, prompt_len, spec.gen_len, spec.slo_s))
-        self._handle(self.loop.on_arrival(self.now, request))
+        self._carry_out(self.core.on_arrivals(self.now, [request]))
 
-    def _on_step_start(self, instance_id: str) -> None:
-        self._start_pending_ids.discard(instance_id)
-        inst = self.view.instances.get(instance_id)
-        if inst is None or instance_id in self._busy_ids:
-            return
-        runnable, waiting_for = [], []
-        for rid in inst.resident_ids:
-            request = self.view.requests[rid]
-            if request.status in _RUNNABLE:
-                landed = self._ready_at.get(rid, 0.0) <= self.now
-                (runnable if landed else waiting_for).append(request)
-        if not runnable:
-            return  # migrants still in flight start it when they land (MIGRATION_DONE)
-        batch = [(r.request_id, float(r.threshold)) for r in runnable]
-        token, recompute = self.engine.start(instance_id, batch)
-        contexts = [r.context_tokens for r, rec in zip(runnable, recompute, strict=True) if rec]
-        num_cache = len(recompute) - len(contexts)
-        duration = self.timer.duration(inst.tp, contexts, num_cache, self.cache_mode == CacheMode.NONE)
-        self._busy_ids.add(instance_id)
-        for r in runnable:
-            self._ready_at.pop(r.request_id, None)
-            record = self.records[r.request_id]
-            record.num_steps += 1
-            record.threshold_sum += float(r.threshold)
-            self._window_threshold[0] += float(r.threshold)
-            self._window_threshold[1] += 1
-        self.queue.push(self.now + duration, SimEvent.STEP_END, (instance_id, token, duration))
-
-    def _on_step_end(self, payload: tuple[str, int, float]) -> None:
-        instance_id, token, duration = payload
-        outcomes: list[EngineOutcome] = self.engine.finish(token)
-        self._busy_ids.discard(instance_id)
-        live = [(self.view.requests.get(o.request_id), o) for o in outcomes]
-        asked = [(r, o) for r, o in live if r is not None and not o.finished]
-        rid_to_prediction = {
-            r.request_id: p for (r, _), p in zip(asked, self.predictor.predict(asked), strict=True) if p is not None
-        }  # request id -> fresh prediction
-        delayed = []
-        if self.predictor.latency_s > 0:
-            delayed, rid_to_prediction = list(rid_to_prediction.items()), {}
-        step_outcomes = [
-            StepOutcome(o.request_id, o.num_committed, o.block_done, o.finished, o.recompute,
-                        rid_to_prediction.get(o.request_id))
-            for o in outcomes
-        ]
-        decisions = self.loop.on_step_result(self.now, BatchOutcome(instance_id, tuple(step_outcomes), duration))
+    def _on_step_end(self, payload: tuple[str, int]) -> None:
+        """The instance's step is done: it goes on to the command it holds if nothing changed (a
+        worker's rule), then the core hears of the step (``on_results``, then ``finish_results``
+        with the fresh predictions)."""
+        instance_id, step_id = payload
+        run = self._running.pop(instance_id)
+        outcomes = self.engine.finish(run.token)
+        for o in outcomes:
+            self._versions[o.request_id] += 1
+        nxt = self._go_on(instance_id, run.command, outcomes)
+        report = BatchOutcome(
+            instance_id,
+            tuple(StepOutcome(o.request_id, o.num_committed, o.block_done, o.finished, o.recompute,
+                              state_version=self._versions[o.request_id], confidence=o.confidences or None)
+                  for o in outcomes),
+            run.duration_s, step_id=step_id, continued_step_id=nxt.step_id if nxt is not None else 0,
+        )
         for o in outcomes:
             if o.finished:
                 self._complete(o.request_id)
-        for rid, prediction in delayed:
+        passed = self.core.on_results(self.now, [report])
+        self._carry_out(passed.decisions)
+        predictions = self._predict(passed.pending.stepped_ids)
+        self._carry_out(self.core.finish_results(self.now, passed.pending, predictions))
+
+    def _go_on(self, instance_id: str, step: StepCommand, outcomes: list[EngineOutcome]) -> StepCommand | None:
+        held = self._held.pop(instance_id, None)
+        if held is None or held.after_step_id != step.step_id or instance_id in self.cluster.draining_ids:
+            return None
+        stepped = [_Stepped(o.request_id, o.finished, o.block_done, o.num_masked, self._versions[o.request_id])
+                   for o in outcomes]
+        nxt = held_step(step, held, stepped)
+        if nxt is not None:
+            self._start(nxt)
+        return nxt
+
+    def _predict(self, request_ids: list[str]) -> dict[str, Prediction]:
+        """Fresh predictions for the requests that stepped: with their results, or (``latency_s``) later."""
+        queries = self.core.queries(request_ids)
+        rid_to_prediction = {q.request_id: p for q, p in zip(queries, self.predictor.predict(queries), strict=True)
+                             if p is not None}  # request id -> fresh prediction
+        if self.predictor.latency_s <= 0:
+            return rid_to_prediction
+        for rid, prediction in rid_to_prediction.items():
             self.queue.push(self.now + self.predictor.latency_s, SimEvent.PREDICTION, (rid, prediction))
-        self._handle(decisions)
-        self._wake(instance_id)
-        self._check_drained(instance_id)
+        return {}
 
     def _on_prediction(self, payload) -> None:
         rid, prediction = payload
-        self.loop.on_prediction(self.now, rid, prediction)
-
-    def _on_migration_done(self, instance_id: str) -> None:
-        self._wake(instance_id)
+        self.core.on_prediction(self.now, rid, prediction)
 
     def _on_instance_up(self, pending: PendingStart) -> None:
         self.cluster.start_now(pending.instance)
         left = self.cluster.plan_to_num_pending[pending.plan_id] - 1
         self.cluster.plan_to_num_pending[pending.plan_id] = left
-        self._handle(self.loop.tick(self.now))
+        self._carry_out(self.core.tick(self.now))
         if left == 0 and self.reconfigurator is not None:
             self._next_wave(pending.plan_id)  # the next wave, or the acknowledgement after the last
-
-    def _on_instance_drained(self, instance_id: str) -> None:
-        inst = self.view.instances.get(instance_id)
-        if inst is None or inst.batch or instance_id in self._busy_ids:
-            return  # already removed (a duplicate event), or work came back
-        self.cluster.remove(instance_id)
-        self._start_ready()
-        self._handle(self.loop.tick(self.now))
 
     def _on_reconfig(self, _payload) -> None:
         result = self.reconfigurator.step(self.cluster.as_reconfig_cluster())
@@ -265,30 +273,46 @@ class Simulator:
         if self._num_outstanding > 0 and self.queue.num_work > 0:
             self.queue.push(self.now + self.sample_period_s, SimEvent.SAMPLE)
 
-    # --- helpers ---------------------------------------------------------------------------------
+    # --- the core's decisions, carried out as the workers would ------------------------------------
 
-    def _handle(self, decisions: Decisions) -> None:
+    def _carry_out(self, decisions: StepDecisions) -> None:
         for rejection in decisions.rejections:
             record = self.records[rejection.request_id]
             record.rejected = True
             record.finish_s = self.now
             self.engine.release(rejection.request_id)
             self._num_outstanding -= 1
-        for a in decisions.assignments:
-            if a.is_migration:
-                self.records[a.request_id].num_migrations += 1
-                request = self.view.requests[a.request_id]
-                land = self.now + self.cluster.migration_s(request.context_tokens)
-                self._ready_at[a.request_id] = land
-                self.queue.push(land, SimEvent.MIGRATION_DONE, a.instance_id)
-                if a.from_instance_id:
-                    self._check_drained(a.from_instance_id)
-            self._wake(a.instance_id)
+        for migration in decisions.migrations:
+            self.records[migration.request_id].num_migrations += 1
+        for command in decisions.commands:
+            if command.after_step_id:
+                self._held[command.instance_id] = command  # a later one replaces it, as on a worker
+            elif command.items:
+                self._start(command)
+            # a drop-only command frees a worker's copies; the engines track where caches are themselves
+        for instance_id in decisions.removed_ids:
+            self.cluster.release(instance_id)
+            self._start_ready()
 
-    def _wake(self, instance_id: str) -> None:
-        if instance_id not in self._busy_ids and instance_id not in self._start_pending_ids:
-            self._start_pending_ids.add(instance_id)
-            self.queue.push(self.now, SimEvent.STEP_START, instance_id)
+    def _start(self, command: StepCommand) -> None:
+        """A batched step starts now: the engine decides its outcome, the timer its duration (a moved
+        request's state is copied first, as a worker loads it before the forward)."""
+        iid = command.instance_id
+        requests = [self.view.requests[it.request_id] for it in command.items]
+        token, recompute = self.engine.start(iid, [(it.request_id, float(it.threshold)) for it in command.items])
+        contexts = [r.context_tokens for r, rec in zip(requests, recompute, strict=True) if rec]
+        duration = self.timer.duration(self.view.instances[iid].tp, contexts, len(recompute) - len(contexts),
+                                       self.cache_mode == CacheMode.NONE)
+        duration += max((self.cluster.migration_s(r.context_tokens) for it, r in zip(command.items, requests, strict=True)
+                         if it.load_state and r.holder_id not in (None, iid)), default=0.0)
+        self._running[iid] = _Running(command, token, duration)
+        for it in command.items:
+            record = self.records[it.request_id]
+            record.num_steps += 1
+            record.threshold_sum += float(it.threshold)
+            self._window_threshold[0] += float(it.threshold)
+            self._window_threshold[1] += 1
+        self.queue.push(self.now + duration, SimEvent.STEP_END, (iid, command.step_id))
 
     def _complete(self, request_id: str) -> None:
         record = self.records[request_id]
@@ -296,13 +320,6 @@ class Simulator:
         record.correct = self.engine.correct(request_id)
         self.engine.release(request_id)
         self._num_outstanding -= 1
-
-    def _check_drained(self, instance_id: str) -> None:
-        if instance_id not in self.cluster.draining_ids or instance_id in self._busy_ids:
-            return
-        inst = self.view.instances.get(instance_id)
-        if inst is not None and inst.batch == 0:
-            self.queue.push(self.now, SimEvent.INSTANCE_DRAINED, instance_id)
 
     def _apply_plan(self, plan) -> None:
         """Every node at once, or node by node (``ClusterSpec.rolling``: ``PlacementPlan.waves``,
@@ -320,11 +337,11 @@ class Simulator:
                 for inst in node.stop:
                     iid = self.cluster.drain(inst)
                     if iid is not None:
-                        self._check_drained(iid)
+                        self._carry_out(self.core.drain_instance(self.now, iid))
             self.cluster.plan_to_num_pending[plan_id] = len(starts)
             self.cluster.pending.extend(PendingStart(i, plan_id) for i in starts)
             self._start_ready()
-            self._handle(self.loop.tick(self.now))
+            self._carry_out(self.core.tick(self.now))
             if starts:
                 return  # the next wave goes once these are up
         del self._plan_waves[plan_id]

@@ -46,6 +46,7 @@ from shared.messages.control import WorkerHeartbeat, WorkerStatus
 from shared.messages.events import RequestFinished, RequestProgress, TokenLogprobs, Usage
 from shared.messages.steps import RequestStepResult, StepCommand, StepFailure, StepItem, StepResults
 from shared.metrics import WorkerMetrics, serve_metrics
+from shared.pipelining import held_step
 from shared.profiles import LatencyProfile
 from shared.retry import retry_transient
 from shared.runtime import connect_nats, freeze_startup_heap, on_stop_signals
@@ -292,28 +293,15 @@ class WorkerService:
             self.num_late_next += 1
 
     def _take_next(self, command: StepCommand, results: StepResults) -> tuple[StepCommand, dict | None] | None:
-        """The held command for the step after ``command``'s, if nothing about the batch changed."""
+        """The held command for the step after ``command``'s, if nothing about the batch changed
+        (``shared.pipelining.held_step``)."""
         held = self._next.pop(command.step_id, None)
         self._open_steps.discard(command.step_id)  # a conditional command arriving from here on is late
-        if held is None:
+        if held is None or self.status != WorkerStatus.READY:
             return None
-        nxt = held[0]
-        stepped = {r.request_id: r for r in results.results}
-        if (self.status != WorkerStatus.READY or results.failures
-                or not len(stepped) == len(command.items) == len(nxt.items)
-                or any(it.request_id not in stepped for it in nxt.items)):
+        nxt = held_step(command, held[0], results.results, len(results.failures))
+        if nxt is None:
             return None
-        finished = [it for it in nxt.items if stepped[it.request_id].finished]
-        items = [it for it in nxt.items if not stepped[it.request_id].finished]
-        if not items or (finished and not nxt.drop_finished):
-            return None
-        for it in items:
-            r = stepped[it.request_id]
-            if (it.load_state or it.state_version != r.state_version or (r.block_done and not it.may_start_block)
-                    or r.num_masked < nxt.min_masked):
-                return None
-        if finished:
-            nxt = msgspec.structs.replace(nxt, items=items)
         self._open_steps.add(nxt.step_id)
         return nxt, held[1]
 

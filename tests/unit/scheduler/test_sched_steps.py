@@ -252,3 +252,14 @@ def test_requests_placed_while_an_instance_ran_go_with_its_returning_ones_in_one
     assert first.decisions.commands == []  # c alone would go now, and a, b a step later
     [nxt] = plain(core.finish_results(0.1, first.pending))
     assert sorted(it.request_id for it in nxt.items) == ["a", "b", "c"]
+
+
+def test_the_service_holds_wiring_only():
+    """The scheduler service decides no step: batch composition, overlap, pipelining and catch-up are here."""
+    from pathlib import Path
+
+    service = (Path(__file__).resolve().parents[3] / "services/scheduler/service.py").read_text()
+    for step_logic in ("resident_ids", "continue_steps", "replan(", "would_stay", "RequestStatus.RUNNING",
+                       "RequestStatus.READY", "requeue_request", "apply_step_result", "policy.schedule"):
+        assert step_logic not in service, step_logic
+    assert "StepScheduler(" in service

@@ -89,3 +89,39 @@ def test_generated_arrivals_record_no_trace(tmp_path, monkeypatch):
     result = json.loads(out.read_text())
     assert result["setup"]["trace"] is None
     assert all(p["trace_native_rps"] is None and p["scale"] is None for p in result["policies"]["dilaserve"]["points"])
+
+
+@pytest.mark.parametrize(("flags", "pipelining", "overlap"), [
+    ([], True, True), (["--no-pipelining"], False, True), (["--no-overlap"], False, False),
+])
+def test_compare_models_pipelining_and_overlap_as_live_with_switches(tmp_path, monkeypatch, flags, pipelining,
+                                                                   overlap):
+    from sim import experiments
+    from tests.unit.sim.sim_builders import make_trace
+
+    monkeypatch.setattr(experiments, "calibrate", lambda *args, **kwargs: make_trace())
+    out = tmp_path / "out.json"
+    _run(["compare", "--preset", "tiny", "--quick", "--policies", "dilaserve", "--prediction", "fallback",
+          "--json", str(out), *flags])
+    result = json.loads(out.read_text())
+    assert (result["setup"]["pipelining"], result["setup"]["overlap"]) == (pipelining, overlap)
+    points = result["policies"]["dilaserve"]["points"]
+    assert all(p["num_finished"] == p["num_requests"] for p in points)
+    # 16-token answers: overlap's 32-token minimum never continues a step, pipelining (no minimum) does
+    assert (sum(p["pipelined_steps"] for p in points) > 0) == pipelining
+    assert all(p["continued_steps"] == p["pipelined_steps"] for p in points)
+
+
+def test_overlap_continues_steps_before_the_pass_in_the_simulator(tmp_path, monkeypatch):
+    from sim import experiments
+    from tests.unit.sim.sim_builders import make_trace
+
+    monkeypatch.setattr(experiments, "calibrate", lambda *args, **kwargs: make_trace())
+    out = tmp_path / "out.json"
+    _run(["compare", "--preset", "tiny", "--quick", "--policies", "dilaserve", "--prediction", "fallback",
+          "--json", str(out), "--no-pipelining", "--overlap-min-tokens", "2"])
+    result = json.loads(out.read_text())
+    assert result["setup"]["overlap_min_tokens"] == 2 and not result["setup"]["pipelining"]
+    points = result["policies"]["dilaserve"]["points"]
+    assert sum(p["continued_steps"] for p in points) > 0 and all(p["pipelined_steps"] == 0 for p in points)
+    assert all(p["num_finished"] == p["num_requests"] for p in points)

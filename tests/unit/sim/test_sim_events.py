@@ -10,14 +10,14 @@ def test_earlier_time_first():
 
 def test_ties_in_time_go_by_priority():
     q = EventQueue()
-    for kind in (SimEvent.SAMPLE, SimEvent.STEP_START, SimEvent.ARRIVAL, SimEvent.RECONFIG,
-                 SimEvent.INSTANCE_UP, SimEvent.MIGRATION_DONE, SimEvent.PREDICTION, SimEvent.STEP_END):
+    for kind in (SimEvent.SAMPLE, SimEvent.ARRIVAL, SimEvent.RECONFIG, SimEvent.INSTANCE_UP, SimEvent.PREDICTION,
+                 SimEvent.STEP_END):
         q.push(5.0, kind, kind.name)
     order = [q.pop().kind for _ in range(len(q))]
     assert order == sorted(order)
     assert order[0] == SimEvent.STEP_END and order[-1] == SimEvent.SAMPLE
-    # a step starts after every scheduling event at its instant
-    assert order.index(SimEvent.ARRIVAL) < order.index(SimEvent.STEP_START)
+    # a step's end frees its slots before an arrival at the same instant is placed
+    assert order.index(SimEvent.STEP_END) < order.index(SimEvent.ARRIVAL)
 
 
 def test_ties_in_time_and_priority_go_by_push_order():

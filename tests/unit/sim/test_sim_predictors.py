@@ -2,27 +2,27 @@ from pathlib import Path
 
 import pytest
 
-from services.scheduler.core import CacheMode, Request
-from sim.engines import EngineOutcome
+from shared.messages.predictor import PredictionQuery
 from sim.predictors import PREDICTION_SOURCES, FallbackOnly
 
 MODEL_DIR = "models/dls-tiny"
 
 
-def _item():
-    request = Request("r1", 0.0, prompt_len=70, gen_len=16, slo_s=5.0, block_len=8, cache_mode=CacheMode.DUAL)
-    outcome = EngineOutcome("r1", 3, False, False, True, 0.9, 13, (0.3, 0.4, 0.5, 0.5, 0.6))
-    return request, outcome
+def _query():
+    """A request right after its first step (3 of block 0's 8 positions committed), as the core asks."""
+    return PredictionQuery(request_id="r1", num_steps_done=1, gen_length=16, prompt_length=70, block_length=8,
+                           num_committed=3, block_committed=3, block_size=8, block_index=0,
+                           confidence=(0.3, 0.4, 0.5, 0.5, 0.6), uses_cache=True, threshold=0.9)
 
 
 def test_fallback_gives_no_predictions():
-    assert FallbackOnly().predict([_item(), _item()]) == [None, None]
+    assert FallbackOnly().predict([_query(), _query()]) == [None, None]
 
 
 @pytest.mark.skipif(not (Path(MODEL_DIR) / "predictor").is_dir(), reason="no trained step predictor")
 def test_step_predictor_gives_scheduler_predictions_for_every_threshold():
     source = PREDICTION_SOURCES.get("predictor")(model_dir=MODEL_DIR, thresholds=(0.5, 0.7, 0.9))
-    [prediction] = source.predict([_item()])
+    [prediction] = source.predict([_query()])
     assert prediction.made_at_step == 1  # counted from after the step that just ran
     assert set(prediction.threshold_to_steps) == {0.5, 0.7, 0.9}
     low, high = prediction.threshold_to_steps[0.5], prediction.threshold_to_steps[0.9]

@@ -69,7 +69,7 @@ def test_reconfiguration_moves_the_shape():
 
 
 def test_sim_has_no_copy_of_policy_logic():
-    """sim/ imports the cores; it defines none of their classes or algorithms."""
+    """sim/ imports the cores; it defines none of their classes or algorithms, and composes no batch."""
     core_names = {"ThresholdController", "LoadController", "Placer", "StepEstimator", "WorkloadMonitor",
                   "DiLaServePolicy", "InfaasPolicy", "LlumnixPolicy", "ReconfigTrigger"}
     sources = {p: p.read_text() for p in Path("sim").glob("*.py")}
@@ -80,6 +80,10 @@ def test_sim_has_no_copy_of_policy_logic():
     joined = "\n".join(sources.values())
     assert "SchedulingLoop(make_policy(" in joined
     assert "Reconfigurator(" in joined
+    # every step decision is the scheduling core's: the simulator carries out its commands
+    assert "StepScheduler(" in joined and "held_step(" in joined
+    for step_logic in ("resident_ids", "continue_steps", "replan(", "would_stay", "RequestStatus.RUNNING"):
+        assert step_logic not in joined, step_logic
 
 
 @pytest.mark.skipif(not Path("models/dls-tiny/model.safetensors").exists(), reason="no bundled model")

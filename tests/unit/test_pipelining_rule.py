@@ -1,0 +1,59 @@
+"""``shared.pipelining.held_step``: when an instance (the worker, or the simulator's) goes straight on to
+the command it holds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from shared.messages.steps import StepCommand, StepItem
+from shared.pipelining import held_step
+
+STEP = StepCommand(instance_id="i0", step_id=1, issued_at=0.0, items=[
+    StepItem(request_id="a", threshold=0.9, state_version=4), StepItem(request_id="b", threshold=0.9, state_version=7)])
+
+
+@dataclass
+class Stepped:
+    request_id: str
+    finished: bool = False
+    block_done: bool = False
+    num_masked: int = 10
+    state_version: int = 0
+
+
+def held(drop_finished: bool = True, min_masked: int = 0, **item_changes) -> StepCommand:
+    items = [StepItem(request_id="a", threshold=0.8, state_version=5, **item_changes),
+             StepItem(request_id="b", threshold=0.7, state_version=8, **item_changes)]
+    return StepCommand(instance_id="i0", step_id=2, issued_at=0.0, items=items, after_step_id=1,
+                       drop_finished=drop_finished, min_masked=min_masked)
+
+
+def outcomes(**changes) -> list[Stepped]:
+    return [Stepped("a", state_version=5, **changes.get("a", {})), Stepped("b", state_version=8, **changes.get("b", {}))]
+
+
+def test_an_unchanged_batch_goes_on_at_the_held_thresholds():
+    nxt = held_step(STEP, held(), outcomes())
+    assert nxt is not None and [it.threshold for it in nxt.items] == [0.8, 0.7]
+
+
+@pytest.mark.parametrize(("command", "stepped", "num_failed"), [
+    (held(), outcomes(), 1),  # a request failed
+    (held(), outcomes()[:1], 0),  # one did not step
+    (held(), [Stepped("a", state_version=5), Stepped("b", state_version=9)], 0),  # another writer's version
+    (held(), outcomes(a={"block_done": True}), 0),  # a block start the policy was not asked about
+    (held(drop_finished=False), outcomes(b={"finished": True}), 0),  # a finished slot someone waits for
+    (held(min_masked=20), outcomes(), 0),  # too few tokens to go
+    (held(load_state=True), outcomes(), 0),  # its state must be loaded first
+    (held(), outcomes(a={"finished": True}, b={"finished": True}), 0),  # nothing left to run
+])
+def test_anything_changed_waits_for_the_scheduler(command, stepped, num_failed):
+    assert held_step(STEP, command, stepped, num_failed) is None
+
+
+def test_block_starts_and_finished_requests_where_the_command_allows_them():
+    assert held_step(STEP, held(may_start_block=True), outcomes(a={"block_done": True})) is not None
+    nxt = held_step(STEP, held(), outcomes(b={"finished": True}))
+    assert [it.request_id for it in nxt.items] == ["a"]
