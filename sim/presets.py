@@ -244,7 +244,7 @@ PRESETS.register(
     "live-local",
     Preset(
         "live-local",
-        "The local stack of `dls up --workers 2 --pace profiles/llada-8b-h100.json --pace-scale 10.8`: 2 TP-1 "
+        "The local stack of `dls up --workers 2 --pace profiles/llada-8b-h100.json` (paced as setup says): 2 TP-1 "
         "instances (max batch 16 as the workers), no reconfiguration, no KV cache, 5-shot prompts; replay the "
         "arrivals `dls loadgen` sent with --trace (docs/live-vs-sim.md)",
         ClusterSpec(num_nodes=1, gpus_per_node=2, initial_tp=(1, 1), max_batch=16, reconfigure=False),
