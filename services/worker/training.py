@@ -94,6 +94,9 @@ SEMI_AR_BLOCK_LENGTHS = (4, 8, 16, 32)  # block lengths drawn for semi-autoregre
 # a long canvas, and a uniform draw of the block shows it rarely (a chain model then read its length
 # off visible EOS padding instead of the query)
 FIRST_BLOCK_SHARE = 0.3
+# and the block that holds the answer's end, where the model must decide to stop (a chain ends at the
+# item the query's letter names): a uniform draw over a long answer's blocks shows it rarely too
+END_BLOCK_SHARE = 0.3
 
 
 def target_ids(problem: Problem, tokenizer: CharTokenizer) -> list[int]:
@@ -161,8 +164,13 @@ def _semi_ar_block(gen_length: int, answer_length: int, generator: torch.Generat
     block_length = SEMI_AR_BLOCK_LENGTHS[int(torch.randint(len(SEMI_AR_BLOCK_LENGTHS), (1,), generator=generator))]
     num_blocks = -(-gen_length // block_length)
     last = min(num_blocks - 1, answer_length // block_length + 1)
-    first = float(torch.rand(1, generator=generator)) < FIRST_BLOCK_SHARE
-    block = 0 if first else int(torch.randint(last + 1, (1,), generator=generator))
+    draw = float(torch.rand(1, generator=generator))
+    if draw < FIRST_BLOCK_SHARE:
+        block = 0
+    elif draw < FIRST_BLOCK_SHARE + END_BLOCK_SHARE:
+        block = min(num_blocks - 1, max(answer_length - 1, 0) // block_length)  # the block with the EOS
+    else:
+        block = int(torch.randint(last + 1, (1,), generator=generator))
     return block * block_length, min(gen_length, (block + 1) * block_length)
 
 
