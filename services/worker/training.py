@@ -309,8 +309,11 @@ class Trainer:
         if self._long_batch():
             # the canvas first, then chains that fit it (any chain when truncating): long answers at
             # every canvas length they fit
+            # half of them on the longest canvas: a chain fits only a canvas at least its length, so
+            # a uniform canvas alone would leave the longest chains (up to 125 tokens) nearly unseen
             low = 8 if truncating else chain_answer_length(CHAIN_MIN_ITEMS) + 1
-            gen_length = self.rng.randint(low, self.cfg.max_gen_length)
+            longest = self.rng.random() < 0.5
+            gen_length = self.cfg.max_gen_length if longest else self.rng.randint(low, self.cfg.max_gen_length)
             problems = []
             while len(problems) < self.cfg.batch_size:
                 problem = self.tasks.problem(num_shots, Split.TRAIN, Family.CHAIN)
