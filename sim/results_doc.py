@@ -121,6 +121,52 @@ def _reconfiguration_note(runs: dict) -> str:
     return (" Reconfiguration: " + "; ".join(notes) + ".") if notes else ""
 
 
+LONG_RUNS = ("paper-bench-long-quick", "ablation-threshold-long-quick", "ablation-predictor-long-quick")
+
+
+def long_answers(pbl, abl, pred) -> str:
+    """paper-bench-long: DiLaServe vs the baselines, and the ablations, where answers span many blocks."""
+    if not pbl:
+        return ""
+    out = ["## Long answers: paper-bench-long\n",
+           "LLaDA's GSM8K setting (256 tokens in blocks of 32, answers ending early at EOS) scaled to the bundled "
+           "model: the `chain` family (35-125 tokens) on a 128-token canvas in blocks of 16, the dual KV cache (a "
+           "recompute step at every block start, cache steps between), 16 TP-1 instances, SLO 5x the isolated "
+           "latency at 0.9. Every request runs 4-8 blocks and stops at the block that completes its EOS.\n"]
+    setup = pbl.get("setup", {})
+    out.append(f"Candidate thresholds (the 1-point budget on the chain family's curve): "
+               f"{setup.get('candidate_thresholds')}; nominal capacity {setup.get('nominal_capacity_rps')} req/s; "
+               f"SLO {setup.get('slo_s')} s.\n")
+    out.append("| point | DiLaServe SLO / accuracy / mean threshold | INFaaS | Llumnix | DiLaServe lead (pp vs INFaaS / Llumnix) |")
+    out.append("|---|---|---|---|---|")
+    for index, d in enumerate(pbl["policies"]["dilaserve"]["points"]):
+        i, ll = pt(pbl, "infaas", index), pt(pbl, "llumnix", index)
+        out.append(f"| {d['label']} | {100 * d['slo_attainment']:.1f}% / {100 * d['accuracy']:.1f}% / "
+                   f"{d.get('mean_threshold', float('nan')):.3f} | {100 * i['slo_attainment']:.1f}% / "
+                   f"{100 * i['accuracy']:.1f}% | {100 * ll['slo_attainment']:.1f}% / {100 * ll['accuracy']:.1f}% | "
+                   f"{_pp(d, i)} / {_pp(d, ll)} |")
+    out.append("")
+    if abl:
+        out.append("Threshold ablation (`ablation-threshold-long --quick`):\n")
+        out.append("| point | fixed 0.9 | SLO-aware alone | + load control | load control adds |")
+        out.append("|---|---|---|---|---|")
+        for index, f_ in enumerate(abl["policies"]["fixed-0.9"]["points"]):
+            s_, dl = pt(abl, "dilaserve-no-loadctl", index), pt(abl, "dilaserve", index)
+            out.append(f"| {f_['label']} | {100 * f_['slo_attainment']:.1f}% | {100 * s_['slo_attainment']:.1f}% "
+                       f"({100 * s_['accuracy']:.1f}% acc.) | {100 * dl['slo_attainment']:.1f}% "
+                       f"({100 * dl['accuracy']:.1f}% acc.) | {_pp(dl, s_)} pp |")
+        out.append("")
+    if pred:
+        out.append("Predictor ablation (`ablation-predictor-long --quick`):\n")
+        out.append("| point | one-shot | online |\n|---|---|---|")
+        for index, o in enumerate(pred["policies"]["dilaserve-oneshot"]["points"]):
+            n = pt(pred, "dilaserve", index)
+            out.append(f"| {o['label']} | {100 * o['slo_attainment']:.1f}% ({100 * o['accuracy']:.1f}% acc.) | "
+                       f"{100 * n['slo_attainment']:.1f}% ({100 * n['accuracy']:.1f}% acc.) |")
+        out.append("")
+    return "\n".join(out) + "\n"
+
+
 def narrative(pbq, full, pt_q, abl) -> str:
     """What the numbers say, computed from the JSON where it can be (so it cannot go stale)."""
     out = ["## What the numbers say\n"]
@@ -134,7 +180,7 @@ def narrative(pbq, full, pt_q, abl) -> str:
             f"+40), at {100 * d['accuracy']:.1f}% accuracy against {100 * i['accuracy']:.1f}% "
             f"({_pp(d, i, 'accuracy')} points; the acceptance allows -1.5). The baselines run every step at 0.9 with "
             "FCFS admission, so their queues grow without bound past 1x; DiLaServe's thresholds drop to 0.7-0.8 "
-            "(mean threshold in the tables), which the stage-4 model pays for in accuracy (the difference above). Replay vs "
+            "(mean threshold in the tables), which the model pays for in accuracy (the difference above). Replay vs "
             f"model in the loop: {fid.get('slo_attainment_gap_pp', float('nan')):.2f} pp SLO attainment, "
             f"{fid.get('mean_latency_gap_pct', float('nan')):.2f}% mean latency at most over the sweep (targets 3 pp / 5%).")
     if full:
@@ -192,18 +238,21 @@ def main() -> None:
     out = []
     w = out.append
     w("# Simulator results\n")
-    w("Produced by `sim/run_results.sh` (commands below) on this machine (2 shared CPU cores), with the "
-      "bundled model `models/dls-tiny` at stage 4 (each JSON's `setup.model_key` names the weights' digest; "
+    w("Produced by `sim/run_results.sh` (commands below) on a 2-core CPU machine shared with other jobs, with "
+      "the bundled model `models/dls-tiny` (its model card; each JSON's `setup.model_key` names the weights' digest; "
       "its replay trace was recorded from them), the step predictor of issue 4 (`--prediction auto` found it), "
       "and the modelled H100 profile `profiles/llada-8b-h100.json`. The `paper-bench` and `paper-trace` tables "
       "are from the `--quick` sizes (the acceptance runs); `paper-bench` also from the full size (replay only); "
       "ablations from `--quick`. DiLaServe's candidate thresholds are the paper's 0.5-0.9 within a 1-point "
-      "quality budget on the model's measured curve (`sim/README.md`): 0.7, 0.8, 0.9 for this model; "
-      "`dilaserve-all-thresholds` runs all five.\n")
+      "quality budget on the model's measured curve (`sim/README.md`; each JSON's `setup.candidate_thresholds`); "
+      "`dilaserve-all-thresholds` runs all five. The simulator runs the live step loop: overlap and step "
+      "pipelining on (`setup.pipelining`, `setup.overlap`).\n")
     w("How virtual time, SLOs and capacities are made, and why `paper-bench` runs without a KV cache, is in "
-      "`sim/README.md`. In short: SLO = 5x the isolated TP-1 latency at 0.9 (6.49 s); the *nominal capacity* "
-      "(15.4 req/s for 16 TP-1) is the fixed-0.9 throughput with every request inside the SLO; rates are "
-      "multiples of it; each bundled-model step is timed as ~10 LLaDA-8B steps.\n")
+      "`sim/README.md`. In short: SLO = 5x the isolated TP-1 latency at 0.9 "
+      f"({pbq['setup']['slo_s']:.2f} s for paper-bench); the *nominal capacity* "
+      f"({pbq['setup']['nominal_capacity_rps']:.1f} req/s for 16 TP-1) is the fixed-0.9 throughput with every "
+      "request inside the SLO; rates are multiples of it; each bundled-model step is timed as "
+      f"{pbq['setup']['step_time_scale']:.1f} LLaDA-8B steps (80 over the model's steps per request at 0.9).\n")
     w("## Commands\n\n```\n" + open("sim/run_results.sh").read().split("set -x\n")[1] + "```\n")
     w("Figures: `runs/sim/paper-bench-quick.png`, `runs/sim/paper-bench.png` (Fig. 9 style: SLO attainment, "
       "accuracy and mean threshold against request rate), `runs/sim/paper-trace-quick.png` and "
@@ -252,9 +301,10 @@ def main() -> None:
         w(f"| + load control | +42.4 pp | {100*(dl['slo_attainment']-s_['slo_attainment']):+.1f} pp at 2x (quick) |")
     w("")
     w(narrative(pbq, full, pt_q, abl))
+    w(long_answers(*(load(name) for name in LONG_RUNS)))
     w(above_capacity(runs))
     w("## Tables\n")
-    for name in ("paper-bench-quick", "paper-bench", *(n for n, _, _ in TRACE_RUNS), "ablation-threshold-quick",
+    for name in ("paper-bench-quick", "paper-bench", *LONG_RUNS, *(n for n, _, _ in TRACE_RUNS), "ablation-threshold-quick",
                  "ablation-predictor-quick", "ablation-migration-quick", "ablation-cache-quick", "sweep-input-quick"):
         data = load(name)
         if data:
