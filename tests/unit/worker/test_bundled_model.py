@@ -40,7 +40,7 @@ def test_lower_threshold_is_faster_and_worse_on_coupled_words(engine):
 
 def test_dls_generate_prints_the_answer_and_steps():
     out = subprocess.run(
-        [sys.executable, "-m", "shared.cli", "generate", "347+589=", "--threshold", "0.9", "--model", str(MODEL_DIR)],
+        [sys.executable, "-m", "services.cli", "generate", "347+589=", "--threshold", "0.9", "--model", str(MODEL_DIR)],
         capture_output=True, text=True, timeout=120, check=True,
     )
     assert out.stdout.strip() == "936"
@@ -49,7 +49,7 @@ def test_dls_generate_prints_the_answer_and_steps():
 
 def test_dls_generate_rejects_a_bad_threshold():
     out = subprocess.run(
-        [sys.executable, "-m", "shared.cli", "generate", "1+1=", "--threshold", "1.5", "--model", str(MODEL_DIR)],
+        [sys.executable, "-m", "services.cli", "generate", "1+1=", "--threshold", "1.5", "--model", str(MODEL_DIR)],
         capture_output=True, text=True, timeout=120,
     )
     assert out.returncode == 2 and "--threshold" in out.stderr
