@@ -53,3 +53,28 @@ def test_dls_generate_rejects_a_bad_threshold():
         capture_output=True, text=True, timeout=120,
     )
     assert out.returncode == 2 and "--threshold" in out.stderr
+
+
+@pytest.mark.parametrize("gen_length", [8, 16, 32, 64, 128])
+def test_the_answer_does_not_follow_the_canvas(engine, gen_length):
+    """What a client allows (max_tokens -> canvas) never changes an answer that fits."""
+    assert engine.generate("347+589=", threshold=0.9, gen_length=gen_length, block_length=8).text == "936"
+
+
+@pytest.mark.parametrize("cache", list(CacheMode))
+def test_early_stop_at_eos_in_every_cache_mode(engine, cache):
+    stopped = engine.generate("12+30=", threshold=0.9, gen_length=64, block_length=8, cache=cache)
+    whole = engine.generate("12+30=", threshold=0.9, gen_length=64, block_length=8, cache=cache, ignore_eos=True)
+    assert stopped.text == whole.text == "42"
+    assert (stopped.finish_reason, whole.finish_reason) == ("stop", "length")
+    assert stopped.blocks_skipped == 7  # the answer ends in block 0 of 8
+    assert whole.blocks_skipped == 0 and whole.num_steps >= stopped.num_steps + 7  # one forward a block at least
+
+
+def test_a_long_chain_spans_blocks_and_a_cap_cuts_it(engine):
+    problem = TaskGenerator(seed=5).problem(0, Split.HELD_OUT, Family.CHAIN)
+    full = engine.generate(problem.prompt, threshold=0.9, gen_length=128, block_length=16)
+    assert check_answer(problem, full.text) and full.finish_reason == "stop"
+    assert len(full.text) + 1 > 3 * 16  # over three blocks of 16 at least
+    cut = engine.generate(problem.prompt, threshold=0.9, max_tokens=20, block_length=16)
+    assert cut.finish_reason == "length" and len(cut.text) == 20
