@@ -314,6 +314,9 @@ PRESETS.register(
         (Point(1.0),),
         policies=("dilaserve",),
         cache_mode=CacheMode.DUAL,
+        # each chain step timed as 4 LLaDA-8B steps (185 over the chain's ~46): the pacing that leaves a
+        # CPU worker room to keep it (bench/live_overload.py's long workload)
+        llada_steps_per_request=185.0,
         quick_overrides={"workload": {"num_requests": 100}},
     ),
 )
