@@ -107,6 +107,9 @@ class WorkerService:
         self.status = WorkerStatus.STARTING
         self.started_at = self.clock()
         self.pace = None  # the latency profile steps are stretched to (None: no pacing)
+        # paced steps whose own compute already took longer than the profile allows: the machine cannot
+        # keep this pace (a larger --pace-scale can), and live runs slower than the simulator times it
+        self.pace_overruns = 0
         if settings.pace_profile:
             self.pace = LatencyProfile.load(settings.pace_profile).scaled(settings.pace_scale)
             if settings.pace_context_tokens:  # anchored: a request of that context costs one profiled step
@@ -490,6 +493,8 @@ class WorkerService:
         wait = target - (time.perf_counter() - t0)
         if wait > 0:
             await asyncio.sleep(wait)
+        else:
+            self.pace_overruns += 1
 
     # --- events ----------------------------------------------------------------------------------
 
@@ -609,6 +614,7 @@ async def serve(settings: WorkerSettings) -> None:
         await store.close()
         if hasattr(engine, "close"):
             engine.close()
-        logger.info("worker %s stopped after %d steps", service.instance_id, service.num_steps)
+        overruns = f", {service.pace_overruns} over their paced time" if service.pace is not None else ""
+        logger.info("worker %s stopped after %d steps%s", service.instance_id, service.num_steps, overruns)
         shutdown_tracing()
 
