@@ -60,10 +60,19 @@ WORKLOADS = {
 }
 
 
+def quality_curve(workload: LiveWorkload, cache: str | None) -> str:
+    """The quality.json curve the workload's answers follow (the simulator's ``quality_curve_key``)."""
+    if workload.family is not None:
+        return workload.family.value
+    return "accuracy" if (cache or workload.cache) == "none" else "accuracy_dual_cache"
+
+
 def start_stack(policy: str, args, run_dir: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = dict(os.environ, DLS_NATS_URL=f"nats://127.0.0.1:{free_port()}",
                DLS_REDIS_URL=f"redis://127.0.0.1:{free_port()}/0")
+    # the quality budget on the workload's own curve, as the simulator's preset applies it
+    env.setdefault("DLS_SCHEDULER_QUALITY_CURVES", json.dumps([quality_curve(WORKLOADS[args.workload], args.cache)]))
     argv = [sys.executable, "-m", "services.cli", "up", "--port", str(port), "--workers", str(args.workers),
             "--policy", policy, "--pace", args.pace, "--pace-scale", str(args.pace_scale), "--run-dir", str(run_dir)]
     log = open(run_dir.with_suffix(".log"), "wb")  # noqa: SIM115 (the child keeps it)

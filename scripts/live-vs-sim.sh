@@ -18,8 +18,11 @@ set -x
 $DLS loadgen --rate "$RATE" --num-requests "$N" --num-shots 5 "${SHAPE[@]}" --dry-run --save-trace "$OUT/arrivals-$RATE.csv" > /dev/null
 # 2. the simulator on them, as sent (it prints the SLO and records the pacing in its setup)
 $DLS sim --preset "$PRESET" --trace "$OUT/arrivals-$RATE.csv" --time-scale 1 --json "$OUT/sim-$RATE.json" > "$OUT/sim-$RATE.txt" 2>&1
-read -r SCALE CONTEXT SLO_MS < <($PY -c "import json,sys; s=json.load(open(sys.argv[1]))['setup']; \
-print(s['step_time_scale'], s['profile_anchor_context_tokens'], round(s['slo_s']*1000))" "$OUT/sim-$RATE.json")
+read -r SCALE CONTEXT SLO_MS CURVE < <($PY -c "import json,sys; s=json.load(open(sys.argv[1]))['setup']; \
+print(s['step_time_scale'], s['profile_anchor_context_tokens'], round(s['slo_s']*1000), s['quality_curve_key'])" \
+    "$OUT/sim-$RATE.json")
+# the quality budget on the same curve as the simulator's (so both have the same candidate thresholds)
+export DLS_SCHEDULER_QUALITY_CURVES="[\"$CURVE\"]"
 # 3. the live stack paced as the simulator times steps
 PORT=$($PY -c "from shared.runtime import free_port; print(free_port())")
 export DLS_NATS_URL=nats://127.0.0.1:$($PY -c "from shared.runtime import free_port; print(free_port())")

@@ -28,7 +28,7 @@ from services.scheduler.core import (
     make_policy,
 )
 from services.scheduler.core.policies import POLICIES
-from services.scheduler.core.threshold import within_quality_budget
+from services.scheduler.core.threshold import candidates_from_quality, quality_curves, within_quality_budget
 from shared.profiles import LatencyProfile
 from shared.request_traces import read_trace
 from shared.tasks import SHORT_FAMILIES, Family, Split, TaskGenerator
@@ -66,32 +66,46 @@ class Setup:
         return PREDICTION_SOURCES.get(self.prediction)(model_dir=self.model_dir, thresholds=thresholds)
 
     def candidate_thresholds(self) -> tuple[float, ...]:
-        """DiLaServe's candidate thresholds: the preset's, within its quality budget on this model."""
+        """DiLaServe's candidate thresholds: the preset's, within its quality budget on this model
+        (the live scheduler's rule, ``candidates_from_quality``, on the curve ``quality_curve`` names)."""
         budget = self.preset.quality_budget_pp
         if budget is None:
             return tuple(self.preset.thresholds)
-        return within_quality_budget(self.preset.thresholds, self.quality_curve()[0], budget)
+        data, key, _ = self._quality()
+        if data is None:
+            return within_quality_budget(self.preset.thresholds, self.trace.overall_accuracy(), budget)
+        return candidates_from_quality(self.preset.thresholds, data, budget, [key])
 
     def quality_curve(self) -> tuple[dict[float, float], str]:
         """(threshold -> accuracy, where it comes from): the model's measured curve (quality.json,
         written with its model card from `bench.engine`: 500 problems) for the preset's task family
         when it has one (measured as served), else for its cache mode; else the replay trace's
         calibration (192 problems: a point of accuracy is two answers)."""
+        data, key, where = self._quality()
+        if data is None:
+            return self.trace.overall_accuracy(), where
+        return quality_curves(data, [key])[0], where
+
+    def quality_curve_key(self) -> str | None:
+        """The name the live scheduler's ``DLS_SCHEDULER_QUALITY_CURVES`` takes for this preset's curve."""
+        return self._quality()[1]
+
+    def _quality(self) -> tuple[dict | None, str | None, str]:
         path = Path(self.model_dir) / "quality.json"
-        if path.exists():
-            data = json.loads(path.read_text())
-            family = self.preset.workload.family
-            if family and family in data.get("families", {}):
-                curve = data["families"][family]
-                return {float(t): float(a) for t, a in curve.items()}, f"{path} (families.{family})"
-            key = "accuracy" if self.preset.cache_mode == CacheMode.NONE else "accuracy_dual_cache"
-            return {float(t): float(a) for t, a in data[key].items()}, f"{path} ({key}, {data['problems']} problems)"
-        return self.trace.overall_accuracy(), "replay trace calibration"
+        if not path.exists():
+            return None, None, "replay trace calibration"
+        data = json.loads(path.read_text())
+        family = self.preset.workload.family
+        if family and family in data.get("families", {}):
+            return data, family, f"{path} (families.{family})"
+        key = "accuracy" if self.preset.cache_mode == CacheMode.NONE else "accuracy_dual_cache"
+        return data, key, f"{path} ({key}, {data['problems']} problems)"
 
     def describe(self) -> dict:
         return {
             "candidate_thresholds": list(self.candidate_thresholds()),
             "quality_curve": self.quality_curve()[1],
+            "quality_curve_key": self.quality_curve_key(),
             "quality_budget_pp": self.preset.quality_budget_pp,
             "model_key": self.trace.model_key,
             "profile_anchor_context_tokens": self.profile.context_tokens,

@@ -51,7 +51,7 @@ from services.scheduler.core import (
     make_policy,
 )
 from services.scheduler.core.decisions import RejectReason
-from services.scheduler.core.threshold import within_quality_budgets
+from services.scheduler.core.threshold import candidates_from_quality
 from shared.jetstream import IntakeConsumer, IntakeDelivery, ensure_intake_stream
 from shared.leases import LeaseTable, Observed, step_stuck
 from shared.messages import codec
@@ -123,29 +123,28 @@ def load_policy(settings: SchedulerSettings):
 
 def candidate_thresholds(settings: SchedulerSettings) -> tuple[float, ...]:
     """``DLS_SCHEDULER_THRESHOLDS`` within ``DLS_SCHEDULER_QUALITY_BUDGET_PP`` accuracy points of the
-    highest's on each of the served model's measured curves (``quality.json`` beside its weights,
-    written with its model card by ``bench.model_card``: the short families' mix and each task family
-    as served), so that no family loses more than the budget; all of them when the budget is negative
-    or the model has no curve."""
+    highest's on the served model's measured curves (``quality.json`` beside its weights, written
+    with its model card by ``bench.model_card``): those ``DLS_SCHEDULER_QUALITY_CURVES`` names (the
+    workload the deployment serves), else the short families' mix and every family, so that no
+    family loses more than the budget; all of them when the budget is negative or the model has no
+    curve (``candidates_from_quality``, the simulator's rule too)."""
     thresholds = tuple(settings.thresholds)
     if settings.quality_budget_pp < 0:
         return thresholds
     path = Path(settings.model_dir) / "quality.json"
     try:
         data = json.loads(path.read_text())
-        curves = [data["accuracy"], *data.get("families", {}).values()]
     except FileNotFoundError:
         logger.info("no %s: every threshold of %s is a candidate", path, list(thresholds))
         return thresholds
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, ValueError) as exc:
         raise ValueError(f"DLS_SCHEDULER_QUALITY_BUDGET_PP: cannot read the accuracy curve {path}: {exc}") from None
     try:
-        kept = within_quality_budgets(thresholds, [{float(t): float(a) for t, a in c.items()} for c in curves],
-                                      settings.quality_budget_pp)
-    except ValueError as exc:
-        raise ValueError(f"DLS_SCHEDULER_QUALITY_BUDGET_PP: {exc}") from None
-    logger.info("candidate thresholds %s (within %.2f accuracy points on %s)", list(kept),
-                settings.quality_budget_pp, path)
+        kept = candidates_from_quality(thresholds, data, settings.quality_budget_pp, settings.quality_curves)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"DLS_SCHEDULER_QUALITY_BUDGET_PP / _CURVES: {path}: {exc}") from None
+    logger.info("candidate thresholds %s (within %.2f accuracy points on %s, curves %s)", list(kept),
+                settings.quality_budget_pp, path, settings.quality_curves or "all")
     return kept
 
 

@@ -87,6 +87,39 @@ def within_quality_budgets(
     return tuple(sorted(kept))
 
 
+def quality_curves(data: Mapping, keys: Sequence[str] = ()) -> list[dict[float, float]]:
+    """The accuracy curves of a model's ``quality.json`` that bound the candidates.
+
+    ``keys`` names them: a top-level curve (``accuracy``: the short families' mix without a cache,
+    ``accuracy_dual_cache``) or a task family under ``families``. None named: the mix and every
+    family, as a server that does not know what its requests ask must assume. An unknown name is an
+    error naming the curves there are.
+    """
+    families = data.get("families", {})
+    if not keys:
+        return [_curve(data["accuracy"]), *(_curve(c) for c in families.values())]
+    curves = []
+    for key in keys:
+        curve = families.get(key) if key in families else data.get(key) if key.startswith("accuracy") else None
+        if not isinstance(curve, Mapping):
+            known = [k for k in data if k.startswith("accuracy")] + list(families)
+            raise ValueError(f"no accuracy curve {key!r} in quality.json (there are: {', '.join(known)})")
+        curves.append(_curve(curve))
+    return curves
+
+
+def _curve(curve: Mapping) -> dict[float, float]:
+    return {float(t): float(a) for t, a in curve.items()}
+
+
+def candidates_from_quality(thresholds: Sequence[float], data: Mapping, budget_pp: float,
+                            keys: Sequence[str] = ()) -> tuple[float, ...]:
+    """DiLaServe's candidate thresholds on a model: ``thresholds`` within ``budget_pp`` points on
+    each curve ``keys`` names (``quality_curves``). The one rule the live scheduler and the simulator
+    share."""
+    return within_quality_budgets(thresholds, quality_curves(data, keys), budget_pp)
+
+
 class PredictionMode(StrEnum):
     ONLINE = "online"  # the latest prediction (step predictor updated as the request runs)
     ONESHOT = "oneshot"  # only the prediction made at arrival, scaled by token progress

@@ -43,3 +43,17 @@ def test_every_family_curve_must_keep_within_the_budget(tmp_path):
                                                        "problems": 500}))
     assert candidate_thresholds(SchedulerSettings(model_dir=str(tmp_path), thresholds=[0.5, 0.6, 0.7, 0.8, 0.9])) \
         == (0.8, 0.9)
+
+
+def test_the_curves_the_deployment_serves_bound_the_candidates_alone(tmp_path):
+    """DLS_SCHEDULER_QUALITY_CURVES names the workload's curves: the same rule as the simulator's."""
+    chain = {"0.5": 0.0, "0.6": 0.5, "0.7": 0.95, "0.8": 0.985, "0.9": 0.99}
+    data = {"accuracy": CURVE, "families": {"chain": chain}, "problems": 500}
+    (tmp_path / "quality.json").write_text(json.dumps(data))
+    short = SchedulerSettings(model_dir=str(tmp_path), thresholds=[0.5, 0.6, 0.7, 0.8, 0.9],
+                              quality_curves=["accuracy"])
+    assert candidate_thresholds(short) == (0.7, 0.8, 0.9)
+    assert candidate_thresholds(short.model_copy(update={"quality_curves": ["chain"]})) == (0.8, 0.9)
+    with pytest.raises(ValueError, match="'poems'.*accuracy, chain"):
+        candidate_thresholds(short.model_copy(update={"quality_curves": ["poems"]}))
+
