@@ -33,6 +33,8 @@ def offline(prompt_ids: list[int], thresholds: list[float], seed: int | None, re
                             seed)
     state = e.new_request(request_id, prompt_ids, 16, 8, CacheMode.NONE, sampling=params)
     for tau in thresholds:
+        if state.finished:  # greedy draws may stop at an earlier EOS block than the sampled run did
+            break
         e.step([(state, tau)])
     assert state.finished
     return e.answer(state).token_ids
