@@ -172,7 +172,9 @@ class TaskGenerator:
 
     ``family_weights`` maps family -> relative frequency of queries; ``max_digits`` bounds the
     addition operands. Examples in a prompt are drawn from either family and never from the
-    held-out split, whatever split the query comes from.
+    held-out split, whatever split the query comes from. ``chain_length_bias`` weights a chain of
+    n items by n ** bias (0: every length alike; training uses it to show the longest chains, whose
+    last labels only they hold, more often).
     """
 
     def __init__(
@@ -180,10 +182,13 @@ class TaskGenerator:
         seed: int = 0,
         family_weights: dict[Family, float] | None = None,
         max_digits: int = 3,
+        chain_length_bias: float = 0.0,
     ) -> None:
         self._rng = random.Random(seed)
         self._family_weights = family_weights or {Family.ADD: 0.5, Family.WORDS: 0.5}
         self._max_digits = max_digits
+        self._chain_lengths = range(CHAIN_MIN_ITEMS, CHAIN_MAX_ITEMS + 1)
+        self._chain_length_weights = [n**chain_length_bias for n in self._chain_lengths] if chain_length_bias else None
 
     def problem(self, num_shots: int, split: Split = Split.TRAIN, family: Family | None = None) -> Problem:
         family = family or self._pick_family()
@@ -230,7 +235,10 @@ class TaskGenerator:
 
     def _chain(self) -> tuple[str, str]:
         start = self._rng.choice(CHAIN_CATEGORIES)
-        num_items = self._rng.randint(CHAIN_MIN_ITEMS, CHAIN_MAX_ITEMS)
+        if self._chain_length_weights is None:
+            num_items = self._rng.randint(CHAIN_MIN_ITEMS, CHAIN_MAX_ITEMS)
+        else:
+            num_items = self._rng.choices(self._chain_lengths, weights=self._chain_length_weights)[0]
         items, category = [], start
         for index in range(num_items):
             word = CATEGORIES[category].sample_word(self._rng)

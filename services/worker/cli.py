@@ -24,7 +24,8 @@ def _register_train(subparsers) -> None:
 
     p = subparsers.add_parser("train-model", help="train the bundled model on CPU (resumable)")
     defaults = TrainConfig()
-    parsers = {"int": int, "float": float, "str": str, "list[float]": _float_list}  # field type -> parser
+    parsers = {"int": int, "float": float, "str": str, "list[float]": _float_list,
+               "list[int]": _int_list}  # field type -> parser
     for f in dataclasses.fields(TrainConfig):
         if f.type in parsers:
             p.add_argument(f"--{f.name.replace('_', '-')}", type=parsers[f.type], default=getattr(defaults, f.name))
@@ -36,6 +37,13 @@ def _float_list(text: str) -> list[float]:
         return [float(x) for x in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected numbers separated by commas, got {text!r}") from None
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers separated by commas, got {text!r}") from None
 
 
 def _train(args: argparse.Namespace) -> int:

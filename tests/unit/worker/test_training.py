@@ -82,10 +82,11 @@ def test_batches_draw_canvases_and_hold_the_long_family(tmp_path):
     trainer = Trainer(_tiny(tmp_path, steps=1, chain_share=0.5, truncate_share=0.2))
     widths, long_batches = set(), 0
     for _ in range(40):
-        _, _, region, answer_lengths = trainer._batch()
+        _, _, region, answer_lengths, long = trainer._batch()
         gen_length = int(region[0].sum())
         widths.add(gen_length)
         long_batches += max(answer_lengths) > 16
+        assert long == (max(answer_lengths) > 16) or long  # a chain batch says so; a short one never holds >16
         assert 1 <= gen_length <= trainer.cfg.max_gen_length and max(answer_lengths) <= gen_length
     assert len(widths) > 10 and long_batches > 5
 
@@ -109,3 +110,36 @@ def test_semi_autoregressive_rows_have_a_clean_prefix_and_a_masked_suffix():
 
     assert all(block_wise(row) for row in masked.tolist())
     assert not all(block_wise(row) for row in (torch.rand(8, 64) < 0.5).tolist())  # uniform masking is not
+
+
+def test_confidence_ordered_rows_show_what_the_model_is_sure_of_and_mask_the_rest():
+    tokenizer = CharTokenizer()
+    problems = TaskGenerator(seed=0).problems(4, max_shots=0, split=Split.TRAIN)
+    ids, attention, region = encode_batch(problems, tokenizer, 32)
+    model = Trainer(TrainConfig(d_model=32, n_layers=1, n_heads=4, mlp_hidden_size=64)).model
+    seen = []
+    width = ids.shape[1]
+
+    def forward(noisy, attention_mask):
+        seen.append(noisy.clone())
+        # sure of the even canvas positions only, at any threshold below 0.99
+        logits = torch.zeros((*noisy.shape, tokenizer.vocab_size))
+        logits[:, width - 32::2, 0] = 20.0
+        return type("Out", (), {"logits": logits.requires_grad_()})()
+
+    model.forward = forward
+    diffusion_loss(model, ids, attention, region, tokenizer.mask_token_id, torch.Generator().manual_seed(3),
+                   semi_ar_share=1.0, answer_lengths=[32] * 4, block_lengths=(32,), confidence_mask_share=1.0)
+    probe, trained = seen  # the probe forward (no gradients), then the one the loss is taken on
+    assert (probe[:, width - 32:] == tokenizer.mask_token_id).all()  # the whole block masked for the probe
+    masked = trained[:, width - 32:] == tokenizer.mask_token_id
+    assert not masked[:, 0::2].any()  # every position the model was sure of is shown
+    assert masked[:, 1::2].any() and not masked[:, 1::2].all()  # the rest masked at ratio t
+
+
+def test_chain_length_bias_draws_long_chains_more_often():
+    def mean_items(bias: float) -> float:
+        tasks = TaskGenerator(seed=5, family_weights={Family.CHAIN: 1.0}, chain_length_bias=bias)
+        return sum(len(tasks.problem(0).answer.split(" ")) for _ in range(400)) / 400
+
+    assert mean_items(2.0) > mean_items(0.0) + 1.5  # 15.9 against 13.5 items expected
