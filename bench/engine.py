@@ -13,7 +13,9 @@ Figures (all measured in this run):
   as served: accuracy and mean steps by threshold, the mean number of blocks decoded and the longest
   answer (tokens, EOS included), and the forwards early stop at EOS saves per request (steps with
   ``ignore_eos`` minus steps without, at 0.9). Short families run at the default block length, the
-  long one at ``--long-block-length``.
+  long one at the first of ``--long-block-lengths``.
+* ``long_family_by_block``: the long family's figures at each of ``--long-block-lengths`` (16 and 32:
+  LLaDA's block, which the long simulator presets decode in).
 * ``by_canvas``: per family and canvas length, accuracy and mean steps by threshold: the answer must
   not change with the room the client allows.
 * ``tokens_per_s`` by batch size: committed tokens per second, dual cache, threshold 0.9.
@@ -182,24 +184,29 @@ def long_prompt_problems(count: int, min_tokens: int, gen_length: int, seed: int
     return out
 
 
-def family_sweeps(engine: DLMEngine, args: argparse.Namespace) -> tuple[dict, dict]:
-    """``families`` (each at the canvas a request without max_tokens gets) and ``by_canvas``."""
+def family_sweeps(engine: DLMEngine, args: argparse.Namespace) -> tuple[dict, dict, dict]:
+    """``families`` (each at the canvas a request without max_tokens gets), ``by_canvas`` and the long
+    family at each of its block lengths."""
     longest = engine.max_gen_length or engine.default_gen_length
-    families, by_canvas = {}, {}
+    families, by_canvas, long_by_block = {}, {}, {}
     for n, family in enumerate((*SHORT_FAMILIES, LONG_FAMILY)):
         long = family is LONG_FAMILY
         problems = family_problems(family, args.long_problems if long else args.family_problems, args.max_shots,
                                    args.seed + 10 + n)
-        block = args.long_block_length if long else engine.default_block_length
+        block = args.long_block_lengths[0] if long else engine.default_block_length
         canvas = longest if long else engine.default_gen_length
         families[family.value] = family_figures(engine, family, problems, args.batch_size, canvas, block)
+        if long:
+            long_by_block[str(block)] = families[family.value]
+            for other in args.long_block_lengths[1:]:
+                long_by_block[str(other)] = family_figures(engine, family, problems, args.batch_size, canvas, other)
         canvases = (longest,) if long else [c for c in SHORT_CANVASES if c <= longest]
         by_canvas[family.value] = {
             str(c): curve(engine, problems[: args.canvas_problems], args.batch_size, c, block,
                           f"{family.value} @canvas {c}")
             for c in canvases
         }
-    return families, by_canvas
+    return families, by_canvas, long_by_block
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -217,10 +224,11 @@ def run(args: argparse.Namespace) -> dict:
     long_problems = long_prompt_problems(8 * 11, 128, engine.default_gen_length, args.seed + 1)
     ratio = cache_ratio(engine, long_problems)
     log(f"cache step / recompute step at batch 8: {ratio}")
-    families, by_canvas = family_sweeps(engine, args)
+    families, by_canvas, long_by_block = family_sweeps(engine, args)
     return {
         "families": families,
         "long_family": LONG_FAMILY.value,
+        "long_family_by_block": long_by_block,
         "by_canvas": by_canvas,
         "model": args.model,
         "problems": len(problems),
@@ -243,6 +251,16 @@ def run(args: argparse.Namespace) -> dict:
     }
 
 
+def _block_lengths(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected block lengths separated by commas, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"block lengths must be positive, got {text!r}")
+    return values
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if any(a == "--arch" or a.startswith("--arch=") for a in argv):  # speed on a random model: bench/engine_speed.py
@@ -259,9 +277,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=2026)
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--family-problems", type=int, default=300, help="problems per short family")
-    parser.add_argument("--long-problems", type=int, default=200, help="problems of the long family")
+    parser.add_argument("--long-problems", type=int, default=400, help="problems of the long family")
     parser.add_argument("--canvas-problems", type=int, default=100, help="problems per family and canvas")
-    parser.add_argument("--long-block-length", type=int, default=16, help="block length of the long family")
+    parser.add_argument("--long-block-lengths", type=_block_lengths, default=(16, 32),
+                        help="block lengths of the long family, comma-separated (the first is `families`')")
     parser.add_argument("--quick", action="store_true", help="60 problems: a smoke run, not the figures")
     args = parser.parse_args(argv)
     if args.quick:

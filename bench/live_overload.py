@@ -10,7 +10,7 @@ latency and the thresholds used. Prints JSON (``--json`` writes it too).
     python -m bench.live_overload --workload long --rate R --duration 60 --json runs/live-overload-long.json
 
 ``--workload short`` (the default) sends the short families with max_tokens 16; ``long`` sends the chain
-family (35-125 tokens) with max_tokens 128 in blocks of 16 with the dual cache, as paper-bench-long
+family (35-125 tokens) with max_tokens 128 in blocks of 32 with the dual cache, as paper-bench-long
 does in the simulator. Without ``--slo-ms`` the SLO is measured: 5x the median latency of requests
 sent one at a time at threshold 0.9 to the first policy's stack (the same SLO for every policy).
 """
@@ -34,7 +34,7 @@ from pathlib import Path
 from bench.common import emit_json
 from loadgen.driver import poisson_plan, run_plan, summarize
 from shared.runtime import free_port
-from shared.tasks import Family
+from shared.tasks import LONG_BLOCK_LENGTH, LONG_CANVAS, Family
 
 SLO_FACTOR = 5.0  # SLO = this times the isolated latency at 0.9 (as the simulator's presets)
 ISOLATED_SAMPLES = 3  # requests sent one at a time to measure the isolated latency
@@ -53,10 +53,10 @@ class LiveWorkload:
 
 WORKLOADS = {
     "short": LiveWorkload(None, 16, None, "none", 12.4),  # 80 LLaDA steps / 6.45 bundled-model steps at 0.9
-    # the chain takes ~46 steps at 0.9, so 80 LLaDA steps would pace it at 1.7: too close to what a CPU
+    # the chain takes ~43 steps at 0.9, so 80 LLaDA steps would pace it at 1.9: too close to what a CPU
     # worker itself needs for a batch of 16 (the profiles are alike), so each step stands for 4 (as
     # the live-local-long preset times it: a slower GPU, the same shape)
-    "long": LiveWorkload(Family.CHAIN, 128, 16, "dual", 4.0),
+    "long": LiveWorkload(Family.CHAIN, LONG_CANVAS, LONG_BLOCK_LENGTH, "dual", 4.0),
 }
 
 
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="arrivals per second (default: about 2x what 2 workers serve at threshold 0.9)")
     p.add_argument("--duration", type=float, default=60.0, help="seconds of load")
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="short",
-                   help="short: the short families, max_tokens 16; long: the chain family, 128 in blocks of 16")
+                   help="short: the short families, max_tokens 16; long: the chain family, 128 in blocks of 32")
     p.add_argument("--slo-ms", type=float, default=None,
                    help="every request's SLO; default: 5x the isolated latency at 0.9, measured")
     p.add_argument("--workers", type=int, default=2)

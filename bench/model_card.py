@@ -44,6 +44,19 @@ def _family_table(bench: dict) -> str:
     return "\n".join(rows) + "\n\n" + shapes + "."
 
 
+def _long_block_table(bench: dict) -> str:
+    """The long family at each block length it was measured at: accuracy / mean steps / mean blocks."""
+    by_block = bench.get("long_family_by_block", {})
+    if not by_block:
+        return "(not measured)"
+    rows = ["| block | " + " | ".join(f"{t} accuracy / steps" for t in bench["thresholds"]) + " | blocks decoded |",
+            "|---|" + "---|" * (len(bench["thresholds"]) + 1)]
+    for block, f in by_block.items():
+        cells = " | ".join(f"{f['accuracy'][t]:.3f} / {f['mean_steps'][t]:.1f}" for t in bench["thresholds"])
+        rows.append(f"| {block} | {cells} | {f['mean_blocks']:.2f} |")
+    return "\n".join(rows)
+
+
 def _canvas_table(bench: dict) -> str:
     """Accuracy at each threshold per family and canvas length: the answer must not follow the canvas."""
     rows = ["| family | canvas | " + " | ".join(bench["thresholds"]) + " | steps at 0.9 |",
@@ -162,6 +175,14 @@ at its bench block length):
 
 {_family_table(bench)}
 
+## The long family per block length
+
+`{long}` on the 128-token canvas, dual cache, at each block length `bench.engine` measured
+(`--long-block-lengths`; 32 is LLaDA's block and the long simulator presets'); `quality.json` has
+the curves as `{long}` (the first) and `{long}@<block>`:
+
+{_long_block_table(bench)}
+
 ## Per canvas length
 
 The same problems at every canvas length (accuracy by threshold, dual cache):
@@ -198,9 +219,13 @@ def write_quality_curve(model_dir: Path, bench: dict) -> None:
         "max_shots": bench["max_shots"],
         "accuracy": bench["accuracy"],
         "accuracy_dual_cache": bench["accuracy_dual_cache"],
-        # each family as served (dual cache, the default canvas; the long family at its bench block)
+        # each family as served (dual cache, the default canvas; the long family at its bench block),
+        # and the long family at its other block lengths as "<family>@<block length>"
         "families": {name: fam["accuracy"] for name, fam in bench.get("families", {}).items()},
     }
+    long = bench.get("long_family")
+    for block, figures in bench.get("long_family_by_block", {}).items():
+        curve["families"][f"{long}@{block}"] = figures["accuracy"]
     (model_dir / QUALITY_FILE).write_text(json.dumps(curve, indent=2) + "\n")
 
 

@@ -63,7 +63,7 @@ def register(subparsers) -> None:
     g.add_argument("--gen-len", type=int, default=16, help="max_tokens (the mean or cap for other lengths)")
     g.add_argument("--block-len", type=int, default=8, help="block_length")
     g.add_argument("--family", default=None, choices=("add", "words", "chain"),
-                   help="only this task family (chain: the long one; send --gen-len 128 --block-len 16)")
+                   help="only this task family (chain: the long one; send --gen-len 128 --block-len 32)")
     g.add_argument("--slo-ms", type=float, default=None, help="every request's SLO (default: the gateway's)")
     g.add_argument("--slo-class", action="append", default=[], metavar="NAME:FACTOR[:PRIO[:WEIGHT[:FLOOR]]]",
                    help="an SLO class: SLO = FACTOR x --slo-ms, priority, share of requests, min_threshold")
@@ -77,6 +77,9 @@ def register(subparsers) -> None:
     g.add_argument("--goodput", nargs="+", action="extend", default=[], metavar="KEY:MS",
                    help="vLLM's goodput constraints (ttft, tpot, e2el in ms): goodput counts the completed "
                         "requests per second that meet all of them (default: each request's own SLO)")
+    g.add_argument("--timelines", action="store_true",
+                   help="after the run, read the finished requests' step timelines and report the live stack's "
+                        "control-plane time per step under 'control_plane' (for dls sim --control-plane-ms)")
     g.add_argument("--json", default=None, help="write the report here")
     g.add_argument("--plot", default=None, help="write a PNG figure here")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -259,4 +262,11 @@ def run(args, plan, config: dict, goodput: dict[str, float] | None = None) -> di
             bar.close()
     first_sent = min((r.sent_s for r in results), default=0.0)
     duration = time.perf_counter() - start - first_sent
-    return build_report(results, duration, config=config, goodput=goodput, endpoint=args.endpoint)
+    report = build_report(results, duration, config=config, goodput=goodput, endpoint=args.endpoint)
+    if args.timelines:
+        from loadgen.timelines import fetch_timelines, step_gaps
+
+        ids = [r.request_id for r in results if r.finished and r.request_id]
+        report["control_plane"] = step_gaps(asyncio.run(fetch_timelines(args.url, ids, api_key=args.api_key)))
+        print(f"control-plane time per step: {report['control_plane']}", file=sys.stderr)
+    return report

@@ -2,14 +2,18 @@
 # Live stack vs simulator on the same arrivals (docs/live-vs-sim.md), one rate per call:
 #   scripts/live-vs-sim.sh PRESET RATE NUM_REQUESTS [OUT_DIR]
 # PRESET live-local (short answers, no cache) or live-local-long (the chain family, max_tokens 128 in
-# blocks of 16, dual cache). Writes OUT_DIR/{arrivals,sim,live}-RATE.* and the stack's log; run from the
-# repository root on an otherwise idle machine.
+# blocks of 32, dual cache: the preset's canvas and block). Writes OUT_DIR/{arrivals,sim,live,sim-cp}-RATE.*
+# and the stack's log; run from the repository root on an otherwise idle machine.
+# sim-RATE: the simulator with the GPU profile alone; sim-cp-RATE: plus the live stack's control-plane time
+# per step, CONTROL_PLANE_MS if set, else what the live run measured (`dls loadgen --timelines`).
 set -euo pipefail
 PRESET=$1 RATE=$2 N=$3 OUT=${4:-runs/live-vs-sim}
 DLS=.venv/bin/dls PY=.venv/bin/python
 mkdir -p "$OUT"
 if [ "$PRESET" = live-local-long ]; then
-  SHAPE=(--family chain --gen-len 128 --block-len 16) CACHE=dual
+  read -r GEN BLOCK < <($PY -c "from sim.presets import PRESETS; w = PRESETS.get('live-local-long').workload; \
+print(w.gen_len, w.block_len)")
+  SHAPE=(--family chain --gen-len "$GEN" --block-len "$BLOCK") CACHE=dual
 else
   SHAPE=() CACHE=none
 fi
@@ -37,4 +41,11 @@ for _ in $(seq 240); do
 done
 # 4. the same arrivals, prompts and SLO against it
 $DLS loadgen --url "http://127.0.0.1:$PORT" --trace "$OUT/arrivals-$RATE.csv" --slo-ms "$SLO_MS" --num-shots 5 \
-    "${SHAPE[@]}" --cache "$CACHE" --warmup 3 --json "$OUT/live-$RATE.json" > "$OUT/live-$RATE.txt" 2>&1
+    "${SHAPE[@]}" --cache "$CACHE" --warmup 3 --timelines --json "$OUT/live-$RATE.json" > "$OUT/live-$RATE.txt" 2>&1
+kill -INT $STACK; wait $STACK 2>/dev/null || true
+trap - EXIT
+# 5. the simulator again, given the control-plane time per step
+CP=${CONTROL_PLANE_MS:-$($PY -c "import json,sys; print(json.load(open(sys.argv[1]))['control_plane']['mean_ms'])" \
+    "$OUT/live-$RATE.json")}
+$DLS sim --preset "$PRESET" --trace "$OUT/arrivals-$RATE.csv" --time-scale 1 --control-plane-ms "$CP" \
+    --json "$OUT/sim-cp-$RATE.json" > "$OUT/sim-cp-$RATE.txt" 2>&1

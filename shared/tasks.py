@@ -111,6 +111,9 @@ CHAIN_NEXT_CATEGORY: dict[str, str] = {
 CHAIN_CATEGORIES = ("a", "b", "c", "d", "e", "g")  # the categories whose words all have 3 letters
 CHAIN_MIN_ITEMS, CHAIN_MAX_ITEMS = 6, 21  # labels "f" .. "u": answers of 35 .. 125 tokens
 CHAIN_LABELS = "abcdefghijklmnopqrstuvwxyz"
+# How the long family is served in the long workloads (the simulator's *-long presets, the live long
+# workload): LLaDA's block of 32 on a 128-token canvas, so an answer runs 2 to 4 blocks
+LONG_CANVAS, LONG_BLOCK_LENGTH = 128, 32
 
 
 def chain_answer_length(num_items: int) -> int:

@@ -56,6 +56,9 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-overlap", action="store_true",
                         help="every step waits for its scheduling pass (DLS_SCHEDULER_OVERLAP_MIN_TOKENS=0; "
                              "pipelining needs overlap, so it goes too)")
+    parser.add_argument("--control-plane-ms", type=float, default=0.0, metavar="MS",
+                        help="add MS to every step: a live stack's control-plane time per step, as `dls loadgen "
+                             "--timelines` measures it (default 0: a GPU cluster's profile alone)")
     parser.add_argument("--overlap-min-tokens", type=int, default=None, metavar="N",
                         help="overlap continues requests with at least N tokens to go (default: the live "
                              "scheduler's, 32)")
@@ -87,7 +90,10 @@ def _setup(args):
         raise CliError(f"--profile: file not found: {args.profile}")
     if not Path(args.model).is_dir():
         raise CliError(f"--model: not a directory: {args.model}")
-    return experiments.setup(preset, args.model, args.profile, prediction=args.prediction, steps=_steps(args))
+    if not (args.control_plane_ms >= 0 and math.isfinite(args.control_plane_ms)):
+        raise CliError(f"--control-plane-ms: must be >= 0, got {args.control_plane_ms}")
+    return experiments.setup(preset, args.model, args.profile, prediction=args.prediction, steps=_steps(args),
+                             control_plane_s=args.control_plane_ms / 1000.0)
 
 
 def _steps(args):

@@ -95,8 +95,11 @@ class Setup:
         if not path.exists():
             return None, None, "replay trace calibration"
         data = json.loads(path.read_text())
-        family = self.preset.workload.family
-        if family and family in data.get("families", {}):
+        family, families = self.preset.workload.family, data.get("families", {})
+        at_block = f"{family}@{self.preset.workload.block_len}"
+        if family and at_block in families:  # the family measured at the preset's block length
+            return data, at_block, f"{path} (families.{at_block})"
+        if family and family in families:
             return data, family, f"{path} (families.{family})"
         key = "accuracy" if self.preset.cache_mode == CacheMode.NONE else "accuracy_dual_cache"
         return data, key, f"{path} ({key}, {data['problems']} problems)"
@@ -116,6 +119,7 @@ class Setup:
             "cache_mode": self.preset.cache_mode.name.lower(),
             "replay_tokens_per_step": {f"{t:.2f}": round(v, 3) for t, v in sorted(self.trace.tokens_per_step().items())},
             "replay_accuracy": self.trace.accuracy,
+            "control_plane_ms": round(self.timer.control_plane_s * 1000.0, 3),
             "pipelining": self.steps.pipelines,
             "overlap": self.steps.overlap,
             "overlap_min_tokens": self.steps.overlap_min_tokens,
@@ -142,7 +146,10 @@ def setup(
     trace: ReplayTrace | None = None,
     prediction: str = "auto",
     steps: StepConfig | None = None,
+    control_plane_s: float = 0.0,
 ) -> Setup:
+    """What a preset's runs share. ``control_plane_s``: time added to every step (``sim.timing``: a live
+    stack's measured control-plane time per step; 0 for a GPU cluster's modelled profile)."""
     # the preset's own few-shot count when all its prompts have one (closer replay), else a mix
     shots = preset.workload.num_shots if preset.workload.lengths == "fixed" else None
     workload = preset.workload
@@ -153,7 +160,7 @@ def setup(
     rec, cache = trace.isolated_steps(SLO_BASE_THRESHOLD)
     scale = preset.llada_steps_per_request / (rec + cache) if preset.llada_steps_per_request else 1.0
     profile = anchored(LatencyProfile.load(profile_path), anchor, scale)
-    timer = StepTimer(profile)
+    timer = StepTimer(profile, control_plane_s=control_plane_s)
     no_cache = preset.cache_mode == CacheMode.NONE
     if no_cache:
         rec, cache = rec + cache, 0.0  # every step is a full forward

@@ -16,6 +16,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from services.scheduler.core import CacheMode
+from shared.tasks import LONG_BLOCK_LENGTH, LONG_CANVAS
 from sim.cluster import ClusterSpec
 from sim.registry import Registry
 from sim.workload import SloClass, WorkloadConfig
@@ -257,15 +258,16 @@ PRESETS.register(
 )
 
 # LLaDA's GSM8K setting (256 tokens in blocks of 32: 8 blocks, answers ending early at EOS) scaled to the
-# bundled model: the long family (chain, 35-125 tokens) on a 128-token canvas in blocks of 16, dual cache.
-_LONG_WORKLOAD = WorkloadConfig(arrival="poisson", num_requests=3000, num_shots=5, gen_len=128, block_len=16,
-                                family="chain")
+# bundled model: the long family (chain, 35-125 tokens) on a 128-token canvas in LLaDA's blocks of 32
+# (2-4 blocks per answer), dual cache.
+_LONG_WORKLOAD = WorkloadConfig(arrival="poisson", num_requests=3000, num_shots=5, gen_len=LONG_CANVAS,
+                                block_len=LONG_BLOCK_LENGTH, family="chain")
 
 PRESETS.register(
     "paper-bench-long",
     Preset(
         "paper-bench-long",
-        "paper-bench where answers are long: the chain family (35-125 tokens, 4-8 blocks of 16 on a 128-token "
+        "paper-bench where answers are long: the chain family (35-125 tokens, 2-4 blocks of 32 on a 128-token "
         "canvas, stopping at the EOS block), dual KV cache; SLO 5x isolated TP-1 latency at 0.9",
         _BENCH_CLUSTER,
         _LONG_WORKLOAD,
@@ -307,15 +309,15 @@ PRESETS.register(
     "live-local-long",
     Preset(
         "live-local-long",
-        "live-local with long answers: the chain family, max_tokens 128 in blocks of 16, dual cache, 2 TP-1 "
+        "live-local with long answers: the chain family, max_tokens 128 in blocks of 32, dual cache, 2 TP-1 "
         "instances (max batch 16); replay the arrivals `dls loadgen --family chain` sent (docs/live-vs-sim.md)",
         ClusterSpec(num_nodes=1, gpus_per_node=2, initial_tp=(1, 1), max_batch=16, reconfigure=False),
         _LONG_WORKLOAD,
         (Point(1.0),),
         policies=("dilaserve",),
         cache_mode=CacheMode.DUAL,
-        # each chain step timed as 4 LLaDA-8B steps (185 over the chain's ~46): the pacing that leaves a
-        # CPU worker room to keep it (bench/live_overload.py's long workload)
+        # each chain step timed as about 4 LLaDA-8B steps (185 over the chain's ~43): the pacing that
+        # leaves a CPU worker room to keep it (bench/live_overload.py's long workload)
         llada_steps_per_request=185.0,
         quick_overrides={"workload": {"num_requests": 100}},
     ),

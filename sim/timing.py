@@ -12,6 +12,11 @@ a LLaDA-8B step takes on the instance's TP degree at its batch:
 - one batched step runs at most two forwards, as the engine does: the recompute group costs
   ``alpha_d(n_recompute)`` scaled by its mean context over the anchor (``scale_context``), the
   cache group ``beta_d(n_cache)``; with no KV cache every step costs ``full_d(n)``;
+- ``control_plane_s`` (default 0) is added to every step: the time a live stack spends between a
+  request's consecutive steps on one instance besides the forward (the worker's state write and
+  events, the results and the next command over NATS, the scheduling pass), which a GPU's step time
+  does not hold. ``dls sim --control-plane-ms`` sets it to what the live stack measured
+  (``loadgen.timelines``: ``dls loadgen --timelines``); the paper presets leave it at 0.
 - ``time_scale`` multiplies every step time. Presets set it to (LLaDA-8B steps per request at 0.9, 80)
   / (the bundled model's, ~8), so that request latencies, SLOs and rates are on LLaDA's scale
   (seconds, ~15 req/s for 16 GPUs) and start-up times and reconfiguration periods keep their meaning.
@@ -57,12 +62,13 @@ class StepTimer:
     profile: LatencyProfile  # anchored
     time_scale: float = 1.0
     scale_context: bool = True
+    control_plane_s: float = 0.0  # added to every step (module docstring)
 
     def duration(self, tp: int, recompute_contexts: list[int], num_cache: int, no_cache: bool = False) -> float:
         """Seconds for one batched step: ``recompute_contexts`` are the full-forward requests' tokens
-        (``LatencyProfile.batch_step_s``, the paced worker's model too)."""
+        (``LatencyProfile.batch_step_s``, the paced worker's model too), plus the control plane's time."""
         seconds = self.profile.batch_step_s(tp, recompute_contexts, num_cache, no_cache, self.scale_context)
-        return seconds * self.time_scale
+        return seconds * self.time_scale + self.control_plane_s
 
     def isolated_latency(self, tp: int, recompute_steps: float, cache_steps: float, context: float | None = None,
                          no_cache: bool = False) -> float:

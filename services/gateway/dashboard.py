@@ -234,6 +234,7 @@ def timeline(record, steps: Sequence, codec) -> dict:
         "tokens_committed": len(s.committed_positions),
         "committed_text": "".join(tokens[p] for p in s.committed_positions if 0 <= p < len(tokens)),
         "start_ms": (s.started_at - origin) * 1000.0, "duration_ms": s.duration_s * 1000.0,
+        "started_at": s.started_at,  # unix time (s): steps of different requests on one instance line up
     } for s in steps]
     return {"object": "dilaserve.timeline", "id": record.request_id, "gen_length": record.gen_length,
             "block_length": record.block_length, "tokens": tokens, "mask": "_", "frames": frames, "steps": rows,

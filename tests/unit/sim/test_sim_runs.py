@@ -95,3 +95,15 @@ def test_model_in_the_loop_runs_the_real_engine():
     point = experiments.run_point(s, "dilaserve", 0, engine_name="model")
     assert point["num_finished"] == 16
     assert 1 <= point["mean_steps"] <= 16  # 16 tokens, at least one per step
+
+
+def test_control_plane_time_is_added_to_every_step_and_leaves_slo_and_capacity_alone():
+    preset = PRESETS.get("tiny").quick()
+    plain = experiments.setup(preset, trace=make_trace(), prediction="fallback")
+    slow = experiments.setup(preset, trace=make_trace(), prediction="fallback", control_plane_s=0.05)
+    assert (slow.slo_s, slow.capacity_rps) == (plain.slo_s, plain.capacity_rps)  # the profile's, as live sends them
+    assert slow.describe()["control_plane_ms"] == 50.0
+    assert slow.timer.duration(1, [], 4) == pytest.approx(plain.timer.duration(1, [], 4) + 0.05)
+    fixed_plain, fixed_slow = (experiments.run_point(s, "fixed-0.9", 0) for s in (plain, slow))
+    assert fixed_slow["mean_steps"] == pytest.approx(fixed_plain["mean_steps"])  # the same work ...
+    assert fixed_slow["mean_latency_s"] > fixed_plain["mean_latency_s"] + 0.05 * fixed_plain["mean_steps"] * 0.9
