@@ -335,6 +335,12 @@ def _record(
     return trace
 
 
+def _stable_index(key: str, salt: int, n: int) -> int:
+    """An index in [0, n) from ``key`` and ``salt`` alone (common random numbers across runs)."""
+    digest = hashlib.blake2b(f"{salt}:{key}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % n
+
+
 def _masked_in_block(engine, state) -> tuple[int, int]:
     block = engine.current_block(state)
     start, end = state.block_bounds(block)
@@ -394,6 +400,10 @@ class ReplayEngine:
                 self._by_family.setdefault(family, []).append(i)
         self._done: dict[int, list[EngineOutcome]] = {}  # step token -> outcomes
         self._num_steps = 0
+        # which recorded problem a request follows depends on its id and this salt only (not on how many
+        # draws the steps before took): at a point every policy's request follows the same problem, so
+        # their accuracies differ by the thresholds they ran at, not by which problems they drew
+        self._problem_salt = int(rng.integers(2**32))
 
     @staticmethod
     def _index(trace: ReplayTrace) -> dict[tuple[str, int, int, str], tuple[np.ndarray, np.ndarray]]:
@@ -415,7 +425,7 @@ class ReplayEngine:
         return len(self._tokenizer.encode(spec.problem.prompt))
 
     def admit(self, spec: RequestSpec, cache_mode: CacheMode) -> None:
-        """A request follows one recorded problem of its family (drawn at random): its steps at each
+        """A request follows one recorded problem of its family (drawn by its id): its steps at each
         threshold, so the confidences a step reports foretell that request's next steps as they do
         on the model; states the problem's recording lacks (after a threshold switch) fall back to
         draws pooled over the family."""
@@ -424,7 +434,7 @@ class ReplayEngine:
         first = min(spec.block_len, spec.gen_len)
         mine = self._by_family.get(family)
         if mine and spec.gen_len == self.trace.gen_len and spec.block_len == self.trace.block_len:
-            problem = int(mine[self.rng.integers(len(mine))])
+            problem = int(mine[_stable_index(spec.request_id, self._problem_salt, len(mine))])
             top = self.trace.trajectories[_tkey(self._thresholds[-1])][problem]
             blocks = min(max(int(row[0]) for row in top) + 1, num_blocks) if top else num_blocks
         else:
@@ -536,7 +546,8 @@ class ReplayEngine:
     def correct(self, request_id: str) -> bool:
         state = self._states[request_id]
         p = state.weighted_accuracy / max(state.num_committed, 1)
-        return bool(self.rng.random() < p)
+        # the same uniform draw for this request in every run at the point (common random numbers)
+        return _stable_index(request_id, self._problem_salt + 1, 2**32) / 2**32 < p
 
     def release(self, request_id: str) -> None:
         self._states.pop(request_id, None)
