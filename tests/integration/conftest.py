@@ -7,7 +7,10 @@ fails the test with a message saying how to get it; it is not skipped silently.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -17,6 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 
 from shared.runtime import free_port
@@ -113,3 +117,55 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPro
 def unique_prefix() -> str:
     """A subject / key prefix no other test uses."""
     return f"t{uuid.uuid4().hex[:10]}"
+
+
+@dataclass(frozen=True)
+class Stack:
+    """A running ``dls up``: its gateway URL and process id."""
+
+    url: str
+    pid: int
+
+
+@contextlib.contextmanager
+def dls_up(run_dir: Path, *args: str, env: dict[str, str] | None = None) -> Iterator[Stack]:
+    """``dls up --workers 2 ARGS`` on free ports with its own NATS and Redis, until it serves (a
+    worker is up); stopped with Ctrl-C at the end. ``env`` adds to the environment."""
+    port = free_port()
+    full_env = dict(os.environ, DLS_NATS_URL=f"nats://127.0.0.1:{free_port()}",
+                    DLS_REDIS_URL=f"redis://127.0.0.1:{free_port()}/0", **(env or {}))
+    argv = [sys.executable, "-m", "services.cli", "up", "--port", str(port), "--workers", "2", *args,
+            "--run-dir", str(run_dir)]
+    process = subprocess.Popen(argv, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url, lines = f"http://127.0.0.1:{port}", []
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            line = process.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if "is serving" in line:
+                break
+        assert wait_serving(url), "".join(lines)
+        yield Stack(url, process.pid)
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(90)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def wait_serving(url: str, timeout_s: float = 120.0) -> bool:
+    """Whether the gateway at ``url`` says it serves (a worker is up) within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ready = httpx.get(f"{url}/readyz", timeout=5)
+            if ready.status_code == 200 and ready.json().get("serving"):
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    return False

@@ -14,18 +14,13 @@ the engine's own) serves the whole module over a real HTTP port:
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
 
 from services.worker.engine import DLMEngine
-from shared.runtime import free_port
 from shared.tasks import Family, Split, TaskGenerator, check_answer
+from tests.integration.conftest import dls_up
 
 pytestmark = pytest.mark.integration
 
@@ -38,44 +33,8 @@ NUM_PER_FAMILY = 12
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     """``dls up`` on free ports; yields its URL."""
-    run_dir = tmp_path_factory.mktemp("stack")
-    port = free_port()
-    env = dict(os.environ, DLS_NATS_URL=f"nats://127.0.0.1:{free_port()}",
-               DLS_REDIS_URL=f"redis://127.0.0.1:{free_port()}/0")
-    argv = [sys.executable, "-m", "services.cli", "up", "--port", str(port), "--workers", "2", "--policy", "fixed",
-            "--run-dir", str(run_dir)]
-    process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url, lines = f"http://127.0.0.1:{port}", []
-    try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            line = process.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if "is serving" in line:
-                break
-        assert _serving(url), "".join(lines)
-        yield url
-    finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(90)
-        except subprocess.TimeoutExpired:
-            process.kill()
-
-
-def _serving(url: str, timeout_s: float = 120.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            ready = httpx.get(f"{url}/readyz", timeout=5)
-            if ready.status_code == 200 and ready.json().get("serving"):
-                return True
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    return False
+    with dls_up(tmp_path_factory.mktemp("stack"), "--policy", "fixed") as running:
+        yield running.url
 
 
 @pytest.fixture(scope="module")
@@ -152,3 +111,20 @@ def test_the_official_openai_sdk_with_max_tokens_left_out_small_and_large(stack,
         parts = client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": [{"type": "text", "text": sums[2].prompt}]}], **kwargs)
         assert parts.choices[0].message.content == sums[2].answer
+
+
+def test_loadgen_reads_the_step_timelines_of_the_requests_it_sent(stack):
+    """``dls loadgen --timelines``: the ids its results carry name the stored timelines, whose
+    consecutive steps give the control-plane time per step the simulator is told."""
+    from loadgen.driver import poisson_plan, run_plan
+    from loadgen.timelines import fetch_timelines, step_gaps
+
+    plan = poisson_plan(20.0, 0.5, slo_ms=60_000.0, max_tokens=16, seed=3, family=Family.WORDS)
+    for stream in (False, True):
+        results = asyncio.run(run_plan(stack, plan, cache="dual", stream=stream))
+        assert all(r.finished for r in results), [r.error for r in results]
+        timelines = asyncio.run(fetch_timelines(stack, [r.request_id for r in results]))
+        assert len(timelines) == len(results)
+        assert all(len(t["steps"]) == r.usage["steps"] for t, r in zip(timelines, results, strict=True))
+        gaps = step_gaps(timelines)
+        assert gaps["num_gaps"] > 0 and 0 <= gaps["p50_ms"] < 1000 and gaps["mean_forward_ms"] > 0

@@ -24,8 +24,6 @@ import os
 import re
 import signal
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -35,6 +33,7 @@ import pytest
 
 from shared.runtime import free_port
 from shared.tasks import Family, Split, TaskGenerator, check_answer
+from tests.integration.conftest import dls_up
 
 pytestmark = pytest.mark.integration
 
@@ -61,45 +60,11 @@ def _free_range(size: int) -> int:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     """``dls up`` on free ports; yields (gateway URL, metrics base port, its pid)."""
-    run_dir = tmp_path_factory.mktemp("stack")
-    port, metrics = free_port(), _free_range(NUM_METRICS_PORTS)
-    env = dict(os.environ, DLS_NATS_URL=f"nats://127.0.0.1:{free_port()}",
-               DLS_REDIS_URL=f"redis://127.0.0.1:{free_port()}/0", DLS_METRICS_PORT=str(metrics),
-               DLS_WORKER_LEASE_TTL_S="20")  # the retry test pauses the workers for a few seconds
-    argv = [sys.executable, "-m", "services.cli", "up", "--port", str(port), "--workers", "2", "--policy", "fixed",
-            "--run-dir", str(run_dir)]
-    process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url, lines = f"http://127.0.0.1:{port}", []
-    try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            line = process.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if "is serving" in line:
-                break
-        assert _serving(url), "".join(lines)
-        yield url, metrics, process.pid
-    finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(90)
-        except subprocess.TimeoutExpired:
-            process.kill()
-
-
-def _serving(url: str, timeout_s: float = 120.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            ready = httpx.get(f"{url}/readyz", timeout=5)
-            if ready.status_code == 200 and ready.json().get("serving"):
-                return True
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    return False
+    metrics = _free_range(NUM_METRICS_PORTS)
+    env = {"DLS_METRICS_PORT": str(metrics),
+           "DLS_WORKER_LEASE_TTL_S": "20"}  # the retry test pauses the workers for a few seconds
+    with dls_up(tmp_path_factory.mktemp("stack"), "--policy", "fixed", env=env) as running:
+        yield running.url, metrics, running.pid
 
 
 @pytest.fixture(scope="module")
