@@ -117,6 +117,8 @@ class Setup:
             "nominal_capacity_rps": round(self.capacity_rps, 3),
             "step_time_scale": round(self.step_time_scale, 4),
             "cache_mode": self.preset.cache_mode.name.lower(),
+            "workload": {"family": self.preset.workload.family, "gen_len": self.preset.workload.gen_len,
+                         "block_len": self.preset.workload.block_len, "num_shots": self.preset.workload.num_shots},
             "replay_tokens_per_step": {f"{t:.2f}": round(v, 3) for t, v in sorted(self.trace.tokens_per_step().items())},
             "replay_accuracy": self.trace.accuracy,
             "control_plane_ms": round(self.timer.control_plane_s * 1000.0, 3),

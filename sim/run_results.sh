@@ -9,9 +9,7 @@ nice -n 10 .venv/bin/dls compare --preset paper-trace --quick --trace tests/data
 for P in paper-bench-long ablation-threshold-long ablation-predictor-long; do
   nice -n 10 .venv/bin/dls compare --preset $P --quick --json $D/$P-quick.json --plot $D/$P-quick.png > $D/$P-quick.txt 2>&1
 done
-for P in paper-bench-long ablation-threshold-long; do  # the long family with a 4-point quality budget
-  nice -n 10 .venv/bin/dls compare --preset $P --quick --quality-budget 4 --json $D/$P-budget4-quick.json > $D/$P-budget4-quick.txt 2>&1
-done
+nice -n 10 .venv/bin/dls compare --preset paper-bench-long --json $D/paper-bench-long.json --plot $D/paper-bench-long.png > $D/paper-bench-long.txt 2>&1
 nice -n 10 .venv/bin/dls compare --preset ablation-threshold --quick --json $D/ablation-threshold-quick.json --plot $D/ablation-threshold-quick.png > $D/ablation-threshold-quick.txt 2>&1
 nice -n 10 .venv/bin/dls compare --preset paper-bench --no-fidelity --policies dilaserve,infaas,llumnix,dilaserve-all-thresholds --json $D/paper-bench.json --plot $D/paper-bench.png > $D/paper-bench.txt 2>&1
 for P in ablation-predictor ablation-migration ablation-cache sweep-input; do
