@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-from shared.tasks import CATEGORIES, CHAIN_NEXT_CATEGORY
+from shared.tasks import CATEGORIES, CHAIN_NEXT_CATEGORY, SHORT_MIX_WEIGHTS
 
 
 def _curve_table(bench: dict) -> str:
@@ -210,6 +210,25 @@ blocks per answer, predictor features) comes from a real denoising model rather 
 QUALITY_FILE = "quality.json"
 
 
+def short_mix_by_canvas(bench: dict) -> dict[str, dict[str, float]]:
+    """``accuracy@<canvas>``: the short families' mix (``SHORT_MIX_WEIGHTS``, as the task generator
+    draws it) per canvas, from the bench's ``by_canvas`` (each family at that canvas, dual cache)."""
+    by_canvas = bench.get("by_canvas", {})
+    if not all(f.value in by_canvas for f in SHORT_MIX_WEIGHTS):
+        return {}
+    total = sum(SHORT_MIX_WEIGHTS.values())
+    canvases = set.intersection(*(set(by_canvas[f.value]) for f in SHORT_MIX_WEIGHTS))
+    taus = by_canvas[next(iter(SHORT_MIX_WEIGHTS)).value][next(iter(canvases))]["accuracy"] if canvases else {}
+    return {
+        f"accuracy@{canvas}": {
+            tau: round(sum(w * by_canvas[f.value][canvas]["accuracy"][tau] for f, w in SHORT_MIX_WEIGHTS.items())
+                       / total, 4)
+            for tau in taus
+        }
+        for canvas in sorted(canvases, key=int)
+    }
+
+
 def write_quality_curve(model_dir: Path, bench: dict) -> None:
     """The measured accuracy per threshold, next to the weights, for whatever picks candidate
     thresholds by an accuracy budget (the simulator's presets: ``quality_budget_pp``)."""
@@ -226,6 +245,9 @@ def write_quality_curve(model_dir: Path, bench: dict) -> None:
     long = bench.get("long_family")
     for block, figures in bench.get("long_family_by_block", {}).items():
         curve["families"][f"{long}@{block}"] = figures["accuracy"]
+    # the short families' mix on each canvas the bench measured ("accuracy@<canvas>"): a tight canvas
+    # can cost the model accuracy at low thresholds that its default canvas does not show
+    curve.update(short_mix_by_canvas(bench))
     (model_dir / QUALITY_FILE).write_text(json.dumps(curve, indent=2) + "\n")
 
 

@@ -133,8 +133,9 @@ class SchedulerSettings(ServiceSettings):
                                     "negative: all of them")
     quality_curves: list[str] = _own("scheduler", "quality_curves", [],
                                      "the curves of quality.json the budget applies to (JSON list: 'accuracy' for the "
-                                     "short families' mix, 'accuracy_dual_cache', or task family names); empty: the "
-                                     "mix and every family")
+                                     "short families' mix, 'accuracy_dual_cache', 'accuracy@<canvas>' for the mix on "
+                                     "one canvas, task family names, '<family>@<block>'); empty: the mix and every "
+                                     "family at the default canvas")
     profile: str = _own("scheduler", "profile", "profiles/llada-8b-h100.json",
                         "step-latency profile for instances whose heartbeat names none (or an unreadable one)")
     model_dir: str = _own("scheduler", "model_dir", "models/dls-tiny", "served model (its config gives the mask id)")

@@ -5,7 +5,7 @@ Three families, all checkable without a reference model:
 * ``add``: multi-digit addition with carries (``347+589=`` -> ``936``), scored by exact match.
 * ``words``: ``@c=`` asks for three words of category ``c``, drawn from the category's weighted word
   list. Several answers are valid; an answer is scored by *validity* (three words, each in the list).
-* ``chain``: the long family (35 to 125 tokens, 4 or more blocks of 16). ``@d.q=`` asks for a chain
+* ``chain``: the long family (35 to 125 tokens: 3 to 8 blocks of 16, 2 to 4 of 32). ``@d.q=`` asks for a chain
   of items labelled ``a`` up to ``q`` (``a:pat b:kan c:sel ... q:bog``): the first word is of
   category ``d``, and each later word's category is set by the last letter of the word before it
   (``CHAIN_NEXT_CATEGORY``), so every word depends on the one before, across block boundaries. An
@@ -48,6 +48,8 @@ class Family(StrEnum):
 
 
 SHORT_FAMILIES = (Family.ADD, Family.WORDS)  # answers of at most 12 tokens; few-shot examples come from these
+# the short families' mix: how often a generator without family weights draws each (the mix curves)
+SHORT_MIX_WEIGHTS = {Family.ADD: 0.5, Family.WORDS: 0.5}
 
 
 class Split(StrEnum):
@@ -188,7 +190,7 @@ class TaskGenerator:
         chain_length_bias: float = 0.0,
     ) -> None:
         self._rng = random.Random(seed)
-        self._family_weights = family_weights or {Family.ADD: 0.5, Family.WORDS: 0.5}
+        self._family_weights = family_weights or dict(SHORT_MIX_WEIGHTS)
         self._max_digits = max_digits
         self._chain_lengths = range(CHAIN_MIN_ITEMS, CHAIN_MAX_ITEMS + 1)
         self._chain_length_weights = [n**chain_length_bias for n in self._chain_lengths] if chain_length_bias else None

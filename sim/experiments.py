@@ -28,7 +28,12 @@ from services.scheduler.core import (
     make_policy,
 )
 from services.scheduler.core.policies import POLICIES
-from services.scheduler.core.threshold import candidates_from_quality, quality_curves, within_quality_budget
+from services.scheduler.core.threshold import (
+    candidates_from_quality,
+    quality_curve_key,
+    quality_curves,
+    within_quality_budget,
+)
 from shared.profiles import LatencyProfile
 from shared.request_traces import read_trace
 from shared.tasks import SHORT_FAMILIES, Family, Split, TaskGenerator
@@ -95,14 +100,13 @@ class Setup:
         if not path.exists():
             return None, None, "replay trace calibration"
         data = json.loads(path.read_text())
-        family, families = self.preset.workload.family, data.get("families", {})
-        at_block = f"{family}@{self.preset.workload.block_len}"
-        if family and at_block in families:  # the family measured at the preset's block length
-            return data, at_block, f"{path} (families.{at_block})"
-        if family and family in families:
-            return data, family, f"{path} (families.{family})"
-        key = "accuracy" if self.preset.cache_mode == CacheMode.NONE else "accuracy_dual_cache"
-        return data, key, f"{path} ({key}, {data['problems']} problems)"
+        workload = self.preset.workload
+        key = quality_curve_key(data, family=workload.family,
+                                gen_len=workload.gen_len, block_len=workload.block_len,
+                                no_cache=self.preset.cache_mode == CacheMode.NONE)
+        if key in data.get("families", {}):
+            return data, key, f"{path} (families.{key})"
+        return data, key, f"{path} ({key})"
 
     def describe(self) -> dict:
         return {

@@ -91,7 +91,8 @@ def quality_curves(data: Mapping, keys: Sequence[str] = ()) -> list[dict[float, 
     """The accuracy curves of a model's ``quality.json`` that bound the candidates.
 
     ``keys`` names them: a top-level curve (``accuracy``: the short families' mix without a cache,
-    ``accuracy_dual_cache``) or a task family under ``families``. None named: the mix and every
+    ``accuracy_dual_cache``, ``accuracy@<canvas>``: the mix on one canvas) or a task family under
+    ``families`` (``<family>@<block>``: at one block length). None named: the mix and every
     family, as a server that does not know what its requests ask must assume. An unknown name is an
     error naming the curves there are.
     """
@@ -110,6 +111,24 @@ def quality_curves(data: Mapping, keys: Sequence[str] = ()) -> list[dict[float, 
 
 def _curve(curve: Mapping) -> dict[float, float]:
     return {float(t): float(a) for t, a in curve.items()}
+
+
+def quality_curve_key(data: Mapping, *, family: str | None, gen_len: int, block_len: int,
+                      no_cache: bool) -> str:
+    """The curve of a model's ``quality.json`` that requests of one shape follow: a task family at
+    that block length (``<family>@<block>``), else the family; for the short families' mix, the mix
+    on that canvas (``accuracy@<canvas>``, written from the engine bench's ``by_canvas``: the model
+    can be weaker on a tight canvas than on its default one), else the mix for the cache mode. The
+    one rule the simulator's presets and the live benches name their curve by."""
+    families = data.get("families", {})
+    if family:
+        if f"{family}@{block_len}" in families:
+            return f"{family}@{block_len}"
+        if family in families:
+            return family
+    if f"accuracy@{gen_len}" in data:
+        return f"accuracy@{gen_len}"
+    return "accuracy" if no_cache else "accuracy_dual_cache"
 
 
 def candidates_from_quality(thresholds: Sequence[float], data: Mapping, budget_pp: float,

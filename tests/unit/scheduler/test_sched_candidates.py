@@ -57,3 +57,37 @@ def test_the_curves_the_deployment_serves_bound_the_candidates_alone(tmp_path):
     with pytest.raises(ValueError, match="'poems'.*accuracy, chain"):
         candidate_thresholds(short.model_copy(update={"quality_curves": ["poems"]}))
 
+
+
+def test_a_tight_canvas_has_a_curve_of_its_own(tmp_path):
+    """The mix on a 16-token canvas can fall sooner than on the default one; naming it narrows the set."""
+    tight = {"0.5": 0.655, "0.6": 0.865, "0.7": 0.935, "0.8": 0.995, "0.9": 1.0}
+    (tmp_path / "quality.json").write_text(json.dumps({"accuracy": CURVE, "accuracy@16": tight, "problems": 500}))
+    served = SchedulerSettings(model_dir=str(tmp_path), thresholds=[0.5, 0.6, 0.7, 0.8, 0.9],
+                               quality_curves=["accuracy@16"])
+    assert candidate_thresholds(served) == (0.8, 0.9)
+    assert candidate_thresholds(served.model_copy(update={"quality_curves": ["accuracy"]})) == (0.7, 0.8, 0.9)
+
+
+def test_a_workload_names_its_curve_by_one_rule():
+    from services.scheduler.core.threshold import quality_curve_key
+
+    data = {"accuracy": CURVE, "accuracy_dual_cache": CURVE, "accuracy@16": CURVE,
+            "families": {"chain": CURVE, "chain@32": CURVE}}
+    assert quality_curve_key(data, family="chain", gen_len=128, block_len=32, no_cache=False) == "chain@32"
+    assert quality_curve_key(data, family="chain", gen_len=128, block_len=16, no_cache=False) == "chain"
+    assert quality_curve_key(data, family=None, gen_len=16, block_len=8, no_cache=True) == "accuracy@16"
+    assert quality_curve_key(data, family=None, gen_len=24, block_len=8, no_cache=True) == "accuracy"
+    assert quality_curve_key(data, family=None, gen_len=24, block_len=8, no_cache=False) == "accuracy_dual_cache"
+
+
+def test_the_model_card_writes_the_mix_per_canvas():
+    from bench.model_card import short_mix_by_canvas
+
+    def fam(a16, a32):
+        return {"16": {"accuracy": {"0.7": a16, "0.9": 1.0}}, "32": {"accuracy": {"0.7": a32, "0.9": 1.0}}}
+
+    mix = short_mix_by_canvas({"by_canvas": {"add": fam(0.99, 0.99), "words": fam(0.88, 0.99),
+                                             "chain": {"128": {"accuracy": {"0.7": 0.5}}}}})
+    assert mix == {"accuracy@16": {"0.7": 0.935, "0.9": 1.0}, "accuracy@32": {"0.7": 0.99, "0.9": 1.0}}
+    assert short_mix_by_canvas({"by_canvas": {"add": fam(0.99, 0.99)}}) == {}
