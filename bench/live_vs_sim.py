@@ -19,7 +19,7 @@ from bench.common import emit_json
 
 LIVE_KEYS = ("completed", "failed", "slo_attainment", "accuracy", "mean_e2el_ms", "median_e2el_ms", "p99_e2el_ms",
              "mean_ttft_ms", "mean_steps", "mean_threshold", "request_throughput")
-SIM_KEYS = ("slo_attainment", "accuracy", "mean_latency_s", "p99_latency_s", "mean_steps", "mean_threshold")
+SIM_KEYS = ("rps", "slo_attainment", "accuracy", "mean_latency_s", "p99_latency_s", "mean_steps", "mean_threshold")
 
 
 def _rate_name(rate: float) -> str:
@@ -48,6 +48,7 @@ def gather(preset: str, out_dir: Path, rates: list[float]) -> dict:
         points.append({
             "rate_rps": rate,
             "num_requests": live_report.get("num_requests"),
+            "replayed_rps": sim["rps"],  # the Poisson draw's own mean rate, which both sides replay
             "live": live,
             "control_plane": live_report.get("control_plane"),
             "sim": sim,

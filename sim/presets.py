@@ -316,9 +316,10 @@ PRESETS.register(
         (Point(1.0),),
         policies=("dilaserve",),
         cache_mode=CacheMode.DUAL,
-        # each chain step timed as about 4 LLaDA-8B steps (185 over the chain's ~43): the pacing that
-        # leaves a CPU worker room to keep it (bench/live_overload.py's long workload)
-        llada_steps_per_request=185.0,
+        # each chain step timed as about 8.7 LLaDA-8B steps (370 over the chain's ~43): a pace a CPU
+        # worker keeps at batch 16 with the whole stack on two cores (at 4.4, a quarter of the steps
+        # overran it at 4.5 req/s and the control plane slowed with the load: docs/live-vs-sim.md)
+        llada_steps_per_request=370.0,
         quick_overrides={"workload": {"num_requests": 100}},
     ),
 )

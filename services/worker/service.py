@@ -110,6 +110,8 @@ class WorkerService:
         # paced steps whose own compute already took longer than the profile allows: the machine cannot
         # keep this pace (a larger --pace-scale can), and live runs slower than the simulator times it
         self.pace_overruns = 0
+        self.pace_overrun_s = 0.0  # the time those steps took beyond their paced time, in all
+        self.paced_s = 0.0  # the paced time of every step, in all
         if settings.pace_profile:
             self.pace = LatencyProfile.load(settings.pace_profile).scaled(settings.pace_scale)
             if settings.pace_context_tokens:  # anchored: a request of that context costs one profiled step
@@ -491,10 +493,12 @@ class WorkerService:
             no_cache=bool(full) and all(s.cache_mode is CacheMode.NONE for s in full),
             scale_context=bool(self.settings.pace_context_tokens))
         wait = target - (time.perf_counter() - t0)
+        self.paced_s += target
         if wait > 0:
             await asyncio.sleep(wait)
         else:
             self.pace_overruns += 1
+            self.pace_overrun_s -= wait
 
     # --- events ----------------------------------------------------------------------------------
 
@@ -614,7 +618,8 @@ async def serve(settings: WorkerSettings) -> None:
         await store.close()
         if hasattr(engine, "close"):
             engine.close()
-        overruns = f", {service.pace_overruns} over their paced time" if service.pace is not None else ""
+        overruns = (f", {service.pace_overruns} over their paced time (by {service.pace_overrun_s:.1f} s in all, "
+                    f"{service.paced_s:.1f} s paced)") if service.pace is not None else ""
         logger.info("worker %s stopped after %d steps%s", service.instance_id, service.num_steps, overruns)
         shutdown_tracing()
 

@@ -10,7 +10,7 @@ from bench.live_vs_sim import gather, main
 def _write(out, rate, live_slo, sim_slo, cp_slo, cp_ms=6.0):
     def sim(slo, cp):
         return {"setup": {"step_time_scale": 4.37, "profile_anchor_context_tokens": 201, "control_plane_ms": cp},
-                "policies": {"dilaserve": {"points": [{"slo_attainment": slo, "accuracy": 1.0, "mean_steps": 14.0,
+                "policies": {"dilaserve": {"points": [{"rps": 4.7, "slo_attainment": slo, "accuracy": 1.0, "mean_steps": 14.0,
                                                        "mean_latency_s": 3.0, "p99_latency_s": 6.0,
                                                        "mean_threshold": 0.75}]}}}
     (out / f"sim-{rate}.json").write_text(json.dumps(sim(sim_slo, 0.0)))
@@ -26,7 +26,7 @@ def test_gaps_are_measured_against_both_simulator_runs(tmp_path):
     first, second = result["points"]
     assert (first["gap_pp"], first["gap_cp_pp"]) == (10.0, 2.0)
     assert (second["gap_pp"], second["gap_cp_pp"]) == (12.0, 3.0)
-    assert second["sim_cp"]["control_plane_ms"] == 7.5
+    assert second["sim_cp"]["control_plane_ms"] == 7.5 and second["replayed_rps"] == 4.7
     assert result["commands"] == ["scripts/live-vs-sim.sh live-local-long 4.5 270",
                                   "scripts/live-vs-sim.sh live-local-long 8 270"]
     assert "--pace-scale 4.37" in result["live_stack"]
