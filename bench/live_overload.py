@@ -54,10 +54,11 @@ class LiveWorkload:
 
 WORKLOADS = {
     "short": LiveWorkload(None, 16, None, "none", 12.4),  # 80 LLaDA steps / 6.45 bundled-model steps at 0.9
-    # the chain takes ~43 steps at 0.9, so 80 LLaDA steps would pace it at 1.9: too close to what a CPU
-    # worker itself needs for a batch of 16 (the profiles are alike), so each step stands for 4 (as
-    # the live-local-long preset times it: a slower GPU, the same shape)
-    "long": LiveWorkload(Family.CHAIN, LONG_CANVAS, LONG_BLOCK_LENGTH, "dual", 4.0),
+    # the chain takes ~43 steps at 0.9, so 80 LLaDA steps would pace it at 1.9: far below what a CPU
+    # worker needs for a batch of 16 with the whole stack on two cores, so each step stands for 8.7
+    # (the live-local-long preset's pace: a slower GPU, the same shape; at 4 a quarter of the fixed
+    # configuration's steps overran their paced time)
+    "long": LiveWorkload(Family.CHAIN, LONG_CANVAS, LONG_BLOCK_LENGTH, "dual", 8.7),
 }
 
 
