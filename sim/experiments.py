@@ -258,6 +258,8 @@ def run_point(setup_: Setup, label: str, point_index: int, engine_name: str | No
         # as the live scheduler counts them: steps an instance went on with before the pass (overlap,
         # pipelining included), and of those, steps run from a held command (pipelining)
         continued_steps=sim.core.counters["continued_steps"], pipelined_steps=sim.core.counters["pipelined_steps"],
+        # batched steps run and the requests each carried on average (the workers log their steps)
+        batched_steps=sim.batched_steps, mean_batch=round(sim.batched_items / max(sim.batched_steps, 1), 3),
     )
     summary["reconfiguration"] = reconfigures
     if preset.cluster.reconfigure:

@@ -138,6 +138,8 @@ class Simulator:
         self.reconfigurations: list[dict] = []
         self._plan_waves: dict[str, list] = {}  # plan id -> its waves not applied yet
         self._running: dict[str, _Running] = {}  # instance id -> its step in flight
+        self.batched_steps = 0  # batched steps started, all instances (what the live workers count)
+        self.batched_items = 0  # requests those steps carried
         self._held: dict[str, StepCommand] = {}  # instance id -> the command held for the step after it
         self._versions: dict[str, int] = {}  # request id -> version of its stored state (emulated)
         self._num_outstanding = len(requests)
@@ -306,6 +308,8 @@ class Simulator:
         duration += max((self.cluster.migration_s(r.context_tokens) for it, r in zip(command.items, requests, strict=True)
                          if it.load_state and r.holder_id not in (None, iid)), default=0.0)
         self._running[iid] = _Running(command, token, duration)
+        self.batched_steps += 1
+        self.batched_items += len(command.items)
         for it in command.items:
             record = self.records[it.request_id]
             record.num_steps += 1

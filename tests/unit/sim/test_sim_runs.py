@@ -33,6 +33,9 @@ def test_every_request_finishes_and_summary_has_the_contract_fields(tiny_setup):
             assert p["num_finished"] == p["num_requests"] == 80
             assert 0 <= p["slo_attainment"] <= 1 and 0 <= p["accuracy"] <= 1
             assert p["mean_latency_s"] > 0 and p["p99_latency_s"] >= p["p50_latency_s"]
+            # every request-step ran in some batched step of at most the max batch
+            assert p["batched_steps"] > 0 and p["mean_batch"] >= 1
+            assert p["batched_steps"] * p["mean_batch"] == pytest.approx(p["mean_steps"] * p["num_requests"], rel=1e-3)
 
 
 def test_dilaserve_lowers_thresholds_under_load(tiny_setup):
