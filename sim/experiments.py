@@ -30,6 +30,7 @@ from services.scheduler.core import (
 from services.scheduler.core.policies import POLICIES
 from services.scheduler.core.threshold import (
     candidates_from_quality,
+    canvas_floors,
     quality_curve_key,
     quality_curves,
     within_quality_budget,
@@ -80,6 +81,15 @@ class Setup:
         if data is None:
             return within_quality_budget(self.preset.thresholds, self.trace.overall_accuracy(), budget)
         return candidates_from_quality(self.preset.thresholds, data, budget, [key])
+
+    def canvas_floors(self, thresholds) -> dict[int, float]:
+        """The live scheduler's floors per canvas (``canvas_floors`` on quality.json) for these
+        candidates; none without a budget or curves per canvas."""
+        budget = self.preset.quality_budget_pp
+        data = self._quality()[0]
+        if budget is None or data is None:
+            return {}
+        return canvas_floors(thresholds, data, budget)
 
     def quality_curve(self) -> tuple[dict[float, float], str]:
         """(threshold -> accuracy, where it comes from): the model's measured curve (quality.json,
@@ -212,6 +222,9 @@ def policy_config(setup_: Setup, label: str) -> tuple[str, dict]:
         config.setdefault("fallback_tokens_per_step", rates)
     if "thresholds" in fields:
         config.setdefault("thresholds", setup_.candidate_thresholds())
+    if "canvas_floors" in fields and "thresholds" not in overrides:  # a variant's own set stands as given
+        # as the live scheduler bounds each request by its canvas
+        config.setdefault("canvas_floors", tuple(sorted(setup_.canvas_floors(config["thresholds"]).items())))
     if "tokens_per_step" in fields:
         threshold = config.get("threshold", fields["threshold"].default)
         config.setdefault("tokens_per_step", rates[min(rates, key=lambda t: abs(t - threshold))])

@@ -51,7 +51,7 @@ from services.scheduler.core import (
     make_policy,
 )
 from services.scheduler.core.decisions import RejectReason
-from services.scheduler.core.threshold import candidates_from_quality
+from services.scheduler.core.threshold import candidates_from_quality, canvas_floors
 from shared.jetstream import IntakeConsumer, IntakeDelivery, ensure_intake_stream
 from shared.leases import LeaseTable, Observed, step_stuck
 from shared.messages import codec
@@ -118,7 +118,26 @@ def load_policy(settings: SchedulerSettings):
     config_cls = type(make_config(settings.policy))
     if "thresholds" in config_cls.model_fields and "thresholds" not in config:
         config["thresholds"] = candidate_thresholds(settings)
+        # each request bounded by its canvas too (a policy config's own thresholds stand as given)
+        if "canvas_floors" in config_cls.model_fields and "canvas_floors" not in config:
+            config["canvas_floors"] = tuple(sorted(canvas_floors_of(settings, config["thresholds"]).items()))
     return make_policy(settings.policy, config)
+
+
+def canvas_floors_of(settings: SchedulerSettings, thresholds) -> dict[int, float]:
+    """Each measured canvas's floor within the quality budget (``canvas_floors`` on the served
+    model's ``quality.json``): a request with a tight ``max_tokens`` keeps the budget on its canvas
+    too. None when the budget is off or the model has no curves per canvas."""
+    path = Path(settings.model_dir) / "quality.json"
+    if settings.quality_budget_pp < 0 or not thresholds or not path.exists():
+        return {}
+    try:
+        floors = canvas_floors(thresholds, json.loads(path.read_text()), settings.quality_budget_pp)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"DLS_SCHEDULER_QUALITY_BUDGET_PP: {path}: {exc}") from None
+    if floors:
+        logger.info("threshold floors per canvas %s (within %.2f accuracy points)", floors, settings.quality_budget_pp)
+    return floors
 
 
 def candidate_thresholds(settings: SchedulerSettings) -> tuple[float, ...]:

@@ -48,6 +48,8 @@ class DiLaServeConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     thresholds: tuple[float, ...] = DEFAULT_THRESHOLDS  # candidate thresholds (admin set)
+    # (canvas length, lowest threshold a request on that canvas may run at): threshold.canvas_floors
+    canvas_floors: tuple[tuple[int, float], ...] = ()
     # threshold -> tokens per step assumed before a request has a prediction
     fallback_tokens_per_step: dict[float, float] = Field(default_factory=lambda: dict(DEFAULT_FALLBACK_TOKENS_PER_STEP))
     prediction: PredictionMode = PredictionMode.ONLINE
@@ -106,7 +108,8 @@ class DiLaServePolicy:
         self.rng = rng
         # a fixed threshold is always a candidate, so `fixed` runs exactly at it
         extra = () if config.threshold_control else (config.fixed_threshold,)
-        self.grid = ThresholdGrid(tuple(config.thresholds) + extra)
+        self.grid = ThresholdGrid(tuple(config.thresholds) + extra,
+                                  dict(config.canvas_floors) if config.threshold_control else None)
         self.estimator = StepEstimator(self.grid, config.fallback_tokens_per_step, config.prediction)
         self.table = LoadTable(len(self.grid))
         self.load_controller = LoadController()

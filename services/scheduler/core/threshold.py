@@ -18,9 +18,14 @@ DEFAULT_FALLBACK_TOKENS_PER_STEP = {0.5: 6.0, 0.6: 5.0, 0.7: 4.2, 0.8: 3.6, 0.9:
 
 
 class ThresholdGrid:
-    """The admin's candidate thresholds, ascending; requests use index ranges into it."""
+    """The admin's candidate thresholds, ascending; requests use index ranges into it.
 
-    def __init__(self, thresholds: Sequence[float]) -> None:
+    ``canvas_floors`` (canvas length -> lowest threshold the quality budget allows on it,
+    ``canvas_floors``): a request's range starts no lower than its canvas's floor, so a request on a
+    canvas where the model is weaker keeps the budget there too."""
+
+    def __init__(self, thresholds: Sequence[float], canvas_floors: Mapping[int, float] | None = None) -> None:
+        self.canvas_floors = {int(c): float(f) for c, f in (canvas_floors or {}).items()}
         values = sorted(set(float(t) for t in thresholds))
         if not values or values[0] <= 0 or values[-1] > 1:
             raise ValueError(f"candidate thresholds must be in (0, 1]: {thresholds}")
@@ -39,8 +44,11 @@ class ThresholdGrid:
         return bisect.bisect_right(self.values, max_threshold + 1e-9) - 1
 
     def request_range(self, request: Request) -> tuple[int, int]:
-        """(lowest, highest) allowed index for a request; lowest > highest when none is allowed."""
-        return self.floor_index(request.min_threshold), self.ceil_index(request.max_threshold)
+        """(lowest, highest) allowed index for a request; lowest > highest when none is allowed. The
+        floor is the request's own or its canvas's, whichever is higher (a canvas floor never above
+        the highest candidate: it narrows a range, it cannot empty one)."""
+        floor = min(canvas_floor(self.canvas_floors, request.gen_len), self.values[-1])
+        return self.floor_index(max(request.min_threshold, floor)), self.ceil_index(request.max_threshold)
 
     def nearest_index(self, threshold: float, lo: int, hi: int) -> int:
         """The candidate closest to ``threshold`` inside [lo, hi] (ties: the higher one)."""
@@ -129,6 +137,29 @@ def quality_curve_key(data: Mapping, *, family: str | None, gen_len: int, block_
     if f"accuracy@{gen_len}" in data:
         return f"accuracy@{gen_len}"
     return "accuracy" if no_cache else "accuracy_dual_cache"
+
+
+def canvas_floors(thresholds: Sequence[float], data: Mapping, budget_pp: float) -> dict[int, float]:
+    """Canvas length -> the lowest of ``thresholds`` within ``budget_pp`` points on the short mix's
+    curve at that canvas (``accuracy@<canvas>`` in a model's ``quality.json``); empty when the model
+    has no such curves. What bounds each request by the canvas it runs on (``ThresholdGrid``)."""
+    floors = {}
+    for key, curve in data.items():
+        canvas = key.removeprefix("accuracy@")
+        if canvas != key and canvas.isdigit() and isinstance(curve, Mapping):
+            kept = within_quality_budget(thresholds, _curve(curve), budget_pp)
+            if kept:
+                floors[int(canvas)] = min(kept)
+    return floors
+
+
+def canvas_floor(floors: Mapping[int, float], gen_len: int) -> float:
+    """The floor for a canvas of ``gen_len``: that of the longest measured canvas not above it (the
+    nearest tighter one, where the model is no better), else of the shortest measured; 0 if none."""
+    if not floors:
+        return 0.0
+    below = [c for c in floors if c <= gen_len]
+    return floors[max(below)] if below else floors[min(floors)]
 
 
 def candidates_from_quality(thresholds: Sequence[float], data: Mapping, budget_pp: float,

@@ -91,3 +91,32 @@ def test_the_model_card_writes_the_mix_per_canvas():
                                              "chain": {"128": {"accuracy": {"0.7": 0.5}}}}})
     assert mix == {"accuracy@16": {"0.7": 0.935, "0.9": 1.0}, "accuracy@32": {"0.7": 0.99, "0.9": 1.0}}
     assert short_mix_by_canvas({"by_canvas": {"add": fam(0.99, 0.99)}}) == {}
+
+
+def test_each_request_keeps_the_budget_on_its_own_canvas(tmp_path):
+    """Candidates 0.7-0.9 on the default canvas; a request on the 16-token canvas, where 0.7 loses
+    6.5 points, starts its range at 0.8; longer canvases, and a policy's own thresholds, are left as they are."""
+    from services.scheduler.core.request import Request
+    from services.scheduler.core.threshold import canvas_floor, canvas_floors
+
+    tight = {"0.5": 0.655, "0.6": 0.865, "0.7": 0.935, "0.8": 0.995, "0.9": 1.0}
+    roomy = {"0.5": 0.645, "0.6": 0.895, "0.7": 0.99, "0.8": 0.995, "0.9": 1.0}
+    data = {"accuracy": CURVE, "accuracy@16": tight, "accuracy@32": roomy, "problems": 500}
+    assert canvas_floors((0.7, 0.8, 0.9), data, 1.0) == {16: 0.8, 32: 0.7}
+    floors = {16: 0.8, 32: 0.7}
+    assert [canvas_floor(floors, n) for n in (8, 16, 24, 32, 128)] == [0.8, 0.8, 0.8, 0.7, 0.7]
+    assert canvas_floor({}, 16) == 0.0
+
+    (tmp_path / "quality.json").write_text(json.dumps(data))
+    policy = load_policy(SchedulerSettings(model_dir=str(tmp_path), thresholds=[0.5, 0.6, 0.7, 0.8, 0.9]))
+    assert policy.grid.values == (0.7, 0.8, 0.9)
+
+    def first(gen_len, floor=0.0):
+        lo, hi = policy.grid.request_range(Request("r", 0.0, 20, gen_len, 5.0, block_len=8, min_threshold=floor))
+        return policy.grid.values[lo], policy.grid.values[hi]
+
+    assert first(16) == (0.8, 0.9) and first(128) == (0.7, 0.9)
+    assert first(128, floor=0.9) == (0.9, 0.9)  # the client's own floor still counts
+    off = load_policy(SchedulerSettings(model_dir=str(tmp_path), thresholds=[0.5, 0.6, 0.7, 0.8, 0.9],
+                                        quality_budget_pp=-1))
+    assert off.grid.canvas_floors == {}
