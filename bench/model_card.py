@@ -218,15 +218,14 @@ def short_mix_by_canvas(bench: dict) -> dict[str, dict[str, float]]:
         return {}
     total = sum(SHORT_MIX_WEIGHTS.values())
     canvases = set.intersection(*(set(by_canvas[f.value]) for f in SHORT_MIX_WEIGHTS))
-    taus = by_canvas[next(iter(SHORT_MIX_WEIGHTS)).value][next(iter(canvases))]["accuracy"] if canvases else {}
-    return {
-        f"accuracy@{canvas}": {
-            tau: round(sum(w * by_canvas[f.value][canvas]["accuracy"][tau] for f, w in SHORT_MIX_WEIGHTS.items())
-                       / total, 4)
-            for tau in taus
+    mix = {}
+    for canvas in sorted(canvases, key=int):
+        curves = {f: by_canvas[f.value][canvas]["accuracy"] for f in SHORT_MIX_WEIGHTS}
+        taus = next(iter(curves.values()))
+        mix[f"accuracy@{canvas}"] = {
+            tau: round(sum(w * curves[f][tau] for f, w in SHORT_MIX_WEIGHTS.items()) / total, 4) for tau in taus
         }
-        for canvas in sorted(canvases, key=int)
-    }
+    return mix
 
 
 def write_quality_curve(model_dir: Path, bench: dict) -> None:

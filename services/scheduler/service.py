@@ -127,7 +127,7 @@ def load_policy(settings: SchedulerSettings):
 def canvas_floors_of(settings: SchedulerSettings, thresholds) -> dict[int, float]:
     """Each measured canvas's floor within the quality budget (``canvas_floors`` on the served
     model's ``quality.json``): a request with a tight ``max_tokens`` keeps the budget on its canvas
-    too. None when the budget is off or the model has no curves per canvas."""
+    too. Empty when the budget is off or the model has no curves per canvas."""
     path = Path(settings.model_dir) / "quality.json"
     if settings.quality_budget_pp < 0 or not thresholds or not path.exists():
         return {}

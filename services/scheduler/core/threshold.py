@@ -20,9 +20,9 @@ DEFAULT_FALLBACK_TOKENS_PER_STEP = {0.5: 6.0, 0.6: 5.0, 0.7: 4.2, 0.8: 3.6, 0.9:
 class ThresholdGrid:
     """The admin's candidate thresholds, ascending; requests use index ranges into it.
 
-    ``canvas_floors`` (canvas length -> lowest threshold the quality budget allows on it,
-    ``canvas_floors``): a request's range starts no lower than its canvas's floor, so a request on a
-    canvas where the model is weaker keeps the budget there too."""
+    ``canvas_floors`` maps a canvas length to the lowest threshold the quality budget allows on it
+    (the function ``canvas_floors``): a request's range starts no lower than its canvas's floor, so
+    a request on a canvas where the model is weaker keeps the budget there too."""
 
     def __init__(self, thresholds: Sequence[float], canvas_floors: Mapping[int, float] | None = None) -> None:
         self.canvas_floors = {int(c): float(f) for c, f in (canvas_floors or {}).items()}

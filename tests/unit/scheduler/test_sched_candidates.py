@@ -58,7 +58,6 @@ def test_the_curves_the_deployment_serves_bound_the_candidates_alone(tmp_path):
         candidate_thresholds(short.model_copy(update={"quality_curves": ["poems"]}))
 
 
-
 def test_a_tight_canvas_has_a_curve_of_its_own(tmp_path):
     """The mix on a 16-token canvas can fall sooner than on the default one; naming it narrows the set."""
     tight = {"0.5": 0.655, "0.6": 0.865, "0.7": 0.935, "0.8": 0.995, "0.9": 1.0}
