@@ -7,6 +7,10 @@ bound to it now). The scheduler acks only after the request is in Redis (``State
 with the request id as ``Nats-Msg-Id``, so a retried publish inside the duplicate window is stored once.
 
 A work-queue stream allows one consumer per subject, so scheduler replicas share one durable name.
+
+``JETSTREAM_TRANSIENT_ERRORS``: what JetStream's API raises while it cannot answer for a moment (a NATS
+node down, a meta-leader election); a service retries those (``shared.retry.retry_transient``) and
+fails on anything else.
 """
 
 from __future__ import annotations
@@ -15,6 +19,12 @@ import logging
 from dataclasses import dataclass, field
 
 from nats.aio.msg import Msg
+from nats.errors import (
+    ConnectionClosedError,
+    ConnectionReconnectingError,
+    NoRespondersError,
+    StaleConnectionError,
+)
 from nats.js import JetStreamContext
 from nats.js.api import (
     AckPolicy,
@@ -25,7 +35,7 @@ from nats.js.api import (
     StreamConfig,
     StreamInfo,
 )
-from nats.js.errors import NotFoundError
+from nats.js.errors import NotFoundError, ServerError, ServiceUnavailableError
 
 from shared.messages.codec import DEFAULT_MAX_PAYLOAD_BYTES, CodecError, decode, encode
 from shared.messages.intake import CompletionRequest
@@ -34,6 +44,12 @@ from shared.subjects import Subjects, shard_of
 logger = logging.getLogger(__name__)
 
 MSG_ID_HEADER = "Nats-Msg-Id"  # JetStream's dedupe header
+
+# a timeout (nats.errors.TimeoutError is one), no responder, a 503 or 500 from the API, a connection re-made
+JETSTREAM_TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
+    TimeoutError, NoRespondersError, ServiceUnavailableError, ServerError,
+    ConnectionClosedError, ConnectionReconnectingError, StaleConnectionError,
+)
 
 
 class IntakeError(RuntimeError):

@@ -1,5 +1,6 @@
-"""Worker faults the scheduler must see through, over real NATS and Redis: a worker whose step never
-returns while its heartbeats go on (hung), and a worker whose clock is a minute off (skewed)."""
+"""Faults the scheduler must see through, over real NATS and Redis: a worker whose step never returns
+while its heartbeats go on (hung), a worker whose clock is a minute off (skewed), and JetStream not
+answering while the scheduler starts."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import time
 import pytest
 
 from shared.messages.events import RequestFinished
+from shared.runtime import free_port
+from tests.integration.conftest import nats_server_binary, start_server, stop_server
 from tests.integration.live import H100_PROFILE, LiveCluster, engine, fresh_engine, offline_tokens
 
 pytestmark = pytest.mark.integration
@@ -112,3 +115,39 @@ def test_a_skewed_worker_keeps_serving_and_is_dropped_once_it_dies(nats_server, 
             await cluster.close()
 
     asyncio.run(main())
+
+
+def test_a_scheduler_started_while_jetstream_cannot_answer_waits_for_it(tmp_path, redis_server, unique_prefix):
+    """A scheduler (re)started while its NATS server has no JetStream to answer (a node down, a leader
+    election: the API times out or answers 503) waits for it instead of exiting, and serves once it is back."""
+    port = free_port()
+    url = f"nats://127.0.0.1:{port}"
+    plain = [nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)]  # core NATS only: the JetStream API is silent
+    server = start_server("nats-server", plain, port, url, tmp_path / "plain.log", b"", b"INFO")
+
+    async def main():
+        nonlocal server
+        cluster = LiveCluster(url, redis_server.url, unique_prefix, policy="fixed")
+        starting = asyncio.create_task(cluster.start_scheduler())
+        try:
+            await asyncio.sleep(3.0)
+            assert not starting.done(), f"the scheduler gave up without JetStream: {starting.exception()!r}"
+            stop_server(server.process)  # the same port, now with JetStream
+            server = start_server("nats-server", [*plain, "-js", "-sd", str(tmp_path / "store")], port, url,
+                                  tmp_path / "js.log", b"", b"INFO")
+            await asyncio.wait_for(starting, 30.0)
+            cluster.client = await cluster._connect()
+            cluster.js = cluster.client.jetstream()
+            await cluster.add_worker("w0", pace_profile=H100_PROFILE)
+            prompt = engine().encode(PROMPTS[0])
+            final = (await cluster.submit(prompt)).final
+            assert isinstance(final, RequestFinished), final
+            assert final.token_ids == offline_tokens(prompt, final.usage.thresholds)
+        finally:
+            starting.cancel()
+            await cluster.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        stop_server(server.process)
