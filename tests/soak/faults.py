@@ -133,7 +133,7 @@ class Injector:
             recovered_at = await self._recovery(injected)
             self.faults.append(Fault(kind, injected.target, at, recovered_at, injected.detail))
             self.log(f"soak: {kind} on {injected.target}: " + (f"recovered in {recovered_at - at:.1f} s"
-                                                              if recovered_at else "NOT RECOVERED"))
+                                                              if recovered_at else f"NOT RECOVERED {injected.detail}"))
             if injected.after is not None:
                 await injected.after()
         except Exception as exc:  # noqa: BLE001 (reported; the soak goes on)
@@ -266,7 +266,14 @@ class Injector:
 
     async def _service_kill(self, name: str) -> Injected:
         await self._restart(name, (0.5, 3.0), lambda: self.cluster.start_service(name))
-        return Injected(name, lambda: self.cluster.probe(name))
+        detail: dict = {}
+
+        def recovered() -> bool:
+            if not self.cluster.alive(name):  # started again, then exited: its log says why
+                detail["exited"] = f"see logs/{name}.log"
+            return self.cluster.probe(name)
+
+        return Injected(name, recovered, detail)
 
     async def _scheduler_kill(self) -> Injected:
         return await self._service_kill("scheduler")
