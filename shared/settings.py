@@ -110,7 +110,8 @@ class GatewaySettings(ServiceSettings):
                                 "result whose final event was lost)", gt=0)
     sse_keepalive_s: float = _own("gateway", "sse_keepalive_s", 5.0,
                                   "a stream that sent nothing for this long gets a `: keep-alive` comment line "
-                                  "(proxies cut idle streams); 0: none", ge=0)
+                                  "(proxies cut idle streams), and a streamed request queued this long after the "
+                                  "scheduler accepted it has its stream opened with one; 0: none", ge=0)
     retry_grace_s: float = _own("gateway", "retry_grace_s", 10.0,
                                 "a request under a retry key (Idempotency-Key, or the OpenAI SDK's retry header) "
                                 "whose client left waits this long for a retry to join it before it is cancelled; "

@@ -215,12 +215,17 @@ class Gateway:
 
     async def _open_stream(self, prepared: PreparedRequest, events: ChoiceEvents, deadline: float,
                            key: RetryKey | None, headers: dict[str, str]) -> Response:
-        """The SSE response, once the request got past admission (a refusal is still a plain status)."""
+        """The SSE response, once the request got past admission (a refusal is still a plain status), or
+        once it has waited ``sse_keepalive_s`` after the scheduler accepted it (queued behind others: the
+        stream opens with keep-alives, and anything that fails it later is said in-band)."""
         try:
             first = await self._next_event(prepared, events, deadline)
-            while isinstance(first[1], RequestAccepted):  # admission may still refuse it: wait for more
-                first = await self._next_event(prepared, events, deadline)
-            if isinstance(first[1], RequestFailed):
+            while first is not None and isinstance(first[1], RequestAccepted):  # admission may still refuse it
+                try:
+                    first = await self._next_or_keepalive(prepared, events, deadline)
+                except _KeepAlive:
+                    first = None
+            if first is not None and isinstance(first[1], RequestFailed):
                 await self._failed(prepared, key)
                 raise failure_error(first[1], self.settings.retry_after_s)
         except ApiError as error:
@@ -256,14 +261,17 @@ class Gateway:
         self._observe_answer(prepared, finals.values())
         return JSONResponse(final_answer(prepared, [finals[i] for i in sorted(finals)]), headers=headers)
 
-    async def _stream(self, prepared: PreparedRequest, first: tuple[int, RequestEvent], events: ChoiceEvents,
+    async def _stream(self, prepared: PreparedRequest, first: tuple[int, RequestEvent] | None, events: ChoiceEvents,
                       deadline: float, key: RetryKey | None) -> AsyncIterator[str]:
-        """SSE chunks (keep-alive comments while nothing comes); a client that leaves before the end gets
-        its request cancelled (unless a retry joins it)."""
+        """SSE chunks (keep-alive comments while nothing comes; ``first`` None: the request is queued, and
+        the stream starts with one); a client that leaves before the end gets its request cancelled
+        (unless a retry joins it)."""
         formatter = StreamFormatter(prepared)
         clock = _ChunkClock(self.metrics, prepared)
-        (index, event), ended, failed = first, False, False
+        (index, event), ended, failed = first or (0, None), False, False
         try:
+            if first is None:
+                yield KEEPALIVE
             while True:
                 chunks, text = [], False
                 if isinstance(event, RequestProgress):

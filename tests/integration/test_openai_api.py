@@ -24,6 +24,7 @@ import os
 import re
 import signal
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -62,7 +63,8 @@ def stack(tmp_path_factory):
     """``dls up`` on free ports; yields (gateway URL, metrics base port, its pid)."""
     metrics = _free_range(NUM_METRICS_PORTS)
     env = {"DLS_METRICS_PORT": str(metrics),
-           "DLS_WORKER_LEASE_TTL_S": "20"}  # the retry test pauses the workers for a few seconds
+           "DLS_WORKER_LEASE_TTL_S": "20",  # the retry and queue tests pause the workers for a few seconds
+           "DLS_GATEWAY_SSE_KEEPALIVE_S": "1"}  # so every stream here may carry keep-alives
     with dls_up(tmp_path_factory.mktemp("stack"), "--policy", "fixed", env=env) as running:
         yield running.url, metrics, running.pid
 
@@ -305,6 +307,34 @@ def test_a_client_that_times_out_and_retries_three_times_costs_one_request(stack
     assert _worker_steps(metrics) - before == answer.usage.steps  # the request-steps of one request
     gateway = _scrape(f"{url}/metrics")
     assert _sum(gateway, "dls_gateway_idempotent_joins_total") >= 4  # three retries and the patient ask
+
+
+def test_a_stream_queued_longer_than_the_clients_read_timeout_gets_its_answer(stack, sdk, problems):
+    """The workers are paused (SIGSTOP) for 6 s while the official SDK streams a request with a 3 s read
+    timeout: the gateway opens the stream a keep-alive period after the scheduler accepted it and
+    keeps it alive, so the client neither times out nor sees anything but the answer it gets unpaused."""
+    url, metrics, stack_pid = stack
+    problem = problems[Family.ADD][0]
+    expected = sdk.completions.create(model=MODEL, prompt=problem.prompt).choices[0].text
+    _wait_idle(metrics)
+    strict = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0,
+                           timeout=httpx.Timeout(120.0, read=3.0))
+    pids = _worker_pids(stack_pid)
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    resume = threading.Timer(6.0, lambda: [os.kill(pid, signal.SIGCONT) for pid in pids])
+    resume.start()
+    try:
+        started = time.monotonic()
+        chunks = list(strict.completions.create(model=MODEL, prompt=problem.prompt, stream=True))
+        waited = time.monotonic() - started
+    finally:
+        resume.cancel()
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
+    assert waited > 5.0, f"the workers were paused, yet the answer came in {waited:.1f} s"
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+    assert chunks[-1].choices[0].finish_reason == "stop"
 
 
 def test_metrics_of_the_gateway_scheduler_and_a_worker_carry_model_name(stack, sdk, problems):

@@ -10,7 +10,7 @@ import math
 import pytest
 
 from services.gateway.prepare import choice_seed
-from shared.messages.events import RequestAccepted, RequestFinished, TokenLogprobs
+from shared.messages.events import FailureReason, RequestAccepted, RequestFinished, TokenLogprobs
 from tests.unit.gateway.gateway_builders import (
     MODEL,
     TOKENIZER,
@@ -18,6 +18,7 @@ from tests.unit.gateway.gateway_builders import (
     answer_script,
     client,
     data_chunks,
+    failure_script,
     progress,
     usage,
 )
@@ -152,6 +153,34 @@ def test_quiet_streams_get_keep_alive_comments():
     quiet, _ = client(bus=SlowBus(), sse_keepalive_s=0)
     assert ": keep-alive" not in quiet.post("/v1/completions", json={"model": MODEL, "prompt": "1+1=",
                                                                      "stream": True}).text
+
+
+def test_a_request_queued_after_admission_gets_its_stream_opened_with_keep_alives():
+    """Accepted, then queued behind others: the stream opens once it has waited ``sse_keepalive_s`` and
+    sends keep-alives until the first step (bytes flow, so proxies and client read timeouts keep it);
+    a failure after that comes in-band, while one right after admission is still a plain status."""
+    def queued(script, wait_s):
+        class QueuedBus(FakeBus):
+            async def submit(self, request, headers=None):
+                self.submitted.append(request)
+                events = script(request)
+                yield events[0]  # RequestAccepted
+                await asyncio.sleep(wait_s)  # in the scheduler's queue
+                for event in events[1:]:
+                    yield event
+        return QueuedBus()
+
+    body = {"model": MODEL, "prompt": "1+1=", "stream": True}
+    test_client, _ = client(bus=queued(answer_script("42"), 0.4), sse_keepalive_s=0.05)
+    reply = test_client.post("/v1/completions", json=body)
+    assert reply.status_code == 200 and reply.text.startswith(": keep-alive\n\n")
+    assert "".join(c["choices"][0]["text"] for c in data_chunks(reply.text)[:-1]) == "42"
+    failed, _ = client(bus=queued(failure_script(FailureReason.DEADLINE_INFEASIBLE, "too late"), 0.4), sse_keepalive_s=0.05)
+    reply = failed.post("/v1/completions", json=body)
+    assert reply.status_code == 200 and reply.text.startswith(": keep-alive\n\n")
+    assert '"error"' in reply.text and reply.text.endswith("data: [DONE]\n\n")
+    refused, _ = client(bus=queued(failure_script(FailureReason.DEADLINE_INFEASIBLE, "too late"), 0.0), sse_keepalive_s=5.0)
+    assert refused.post("/v1/completions", json=body).status_code == 429
 
 
 def test_a_retry_with_the_same_idempotency_key_joins_the_running_request():
