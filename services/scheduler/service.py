@@ -235,17 +235,19 @@ class SchedulerService:
     # --- lifecycle -------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        # a scheduler (re)started while a NATS node is down or JetStream elects a leader waits for it
-        await retry_transient(
-            lambda: ensure_intake_stream(self.js, self.subjects, num_replicas=self.settings.intake_replicas),
-            f"intake stream {self.subjects.intake_stream}", logger, errors=JETSTREAM_TRANSIENT_ERRORS,
-            peer="JetStream")
         shard, shards = self.settings.shard, self.settings.scheduler_shards
-        self._intake = await retry_transient(lambda: IntakeConsumer.create(
-            self.js, self.subjects, durable=self.settings.consumer_name + (f"-{shard}" if shards > 1 else ""),
-            shard=shard, shards=shards, ack_wait_s=self.settings.ack_wait_s,
-            max_payload_bytes=self.settings.max_payload_bytes,
-        ), "intake consumer", logger, errors=JETSTREAM_TRANSIENT_ERRORS, peer="JetStream")
+
+        async def open_intake() -> IntakeConsumer:  # both steps idempotent: a retry redoes them
+            await ensure_intake_stream(self.js, self.subjects, num_replicas=self.settings.intake_replicas)
+            return await IntakeConsumer.create(
+                self.js, self.subjects, durable=self.settings.consumer_name + (f"-{shard}" if shards > 1 else ""),
+                shard=shard, shards=shards, ack_wait_s=self.settings.ack_wait_s,
+                max_payload_bytes=self.settings.max_payload_bytes,
+            )
+
+        # a scheduler (re)started while a NATS node is down or JetStream elects a leader waits for it
+        self._intake = await retry_transient(open_intake, f"intake {self.subjects.intake_stream}", logger,
+                                             errors=JETSTREAM_TRANSIENT_ERRORS, peer="JetStream")
         results = self.subjects.results_for(shard, shards)
         for subject, cb in ((self.subjects.heartbeat, self._on_heartbeat), (results, self._on_results),
                             (self.subjects.cancel, self._on_cancel)):
