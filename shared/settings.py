@@ -73,6 +73,13 @@ class GatewaySettings(ServiceSettings):
     max_gen_length: int = _own("gateway", "max_gen_length", 4096,
                                "longest canvas a request gets (the model's own longest also applies); a larger "
                                "max_tokens is capped, not refused", gt=0)
+    min_block_length: int = _own("gateway", "min_block_length", 4,
+                                 "smallest block_length a request may set (each block starts with a full recompute "
+                                 "forward with a KV cache; blocks of 1-3 tokens cost a recompute per token or two); "
+                                 "smaller: a 400 naming block_length", gt=0)
+    max_blocks: int = _own("gateway", "max_blocks", 128,
+                           "most blocks (so recompute steps with a KV cache) one request's canvas may hold: "
+                           "canvas / block_length above it is a 400 naming block_length", gt=0)
     request_timeout_s: float = _own("gateway", "request_timeout_s", 300.0,
                                     "give up waiting for a request's final event after this long", gt=0)
     model_dir: str = _own("gateway", "model_dir", "models/dls-tiny",

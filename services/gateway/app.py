@@ -39,9 +39,11 @@ from services.gateway.observability import install_observability, intake_headers
 from services.gateway.prepare import PreparedRequest, RequestPreparer, new_request_id
 from services.gateway.recovery import TrackedEvents, event_from_record
 from services.gateway.schemas import (
+    COMPLETION_ERRORS,
+    LISTING_ERRORS,
+    READ_ERRORS,
     ChatCompletionBody,
     CompletionBody,
-    ErrorResponse,
     ModelList,
     RequestInfo,
 )
@@ -66,8 +68,6 @@ logger = logging.getLogger(__name__)
 CANCEL_WAIT_S = 2.0  # most time spent publishing a cancellation for a client that left
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away first" (never seen by it)
 MAX_REQUEST_ID_CHARS = 200
-
-ERROR_RESPONSES = {status: {"model": ErrorResponse} for status in (400, 401, 404, 409, 429, 500, 503, 504)}
 
 
 class ChoiceEvents:
@@ -656,21 +656,21 @@ def create_app(settings: GatewaySettings, bus: Bus | None = None,
     app.add_middleware(ApiKeyMiddleware, api_keys=settings.api_keys)
     install_observability(app, metrics)  # added last: runs first (server span, request metrics, GET /metrics)
 
-    @app.post("/v1/completions", response_model=None, responses=ERROR_RESPONSES)
+    @app.post("/v1/completions", response_model=None, responses=COMPLETION_ERRORS)
     async def completions(body: CompletionBody, request: Request) -> Response:
         """A text completion (``stream``: server-sent events)."""
         return await gateway.complete(body, request)
 
-    @app.post("/v1/chat/completions", response_model=None, responses=ERROR_RESPONSES)
+    @app.post("/v1/chat/completions", response_model=None, responses=COMPLETION_ERRORS)
     async def chat_completions(body: ChatCompletionBody, request: Request) -> Response:
         """A chat completion (``stream``: server-sent events)."""
         return await gateway.complete(body, request)
 
-    @app.get("/v1/models", response_model=ModelList)
+    @app.get("/v1/models", response_model=ModelList, responses=LISTING_ERRORS)
     async def list_models() -> ModelList:
         return ModelList(data=[model_card(m) for m in gateway.preparer.catalogue.models])
 
-    @app.get("/v1/requests/{request_id}", response_model=RequestInfo, responses=ERROR_RESPONSES)
+    @app.get("/v1/requests/{request_id}", response_model=RequestInfo, responses=READ_ERRORS)
     async def get_request(request_id: str, request: Request) -> dict:
         """A request's state from the request-state store (also after a 504)."""
         return await gateway.request_state(request_id, caller(request))

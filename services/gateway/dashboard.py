@@ -33,6 +33,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
+from services.gateway.schemas import LISTING_ERRORS, READ_ERRORS
 from shared.messages.control import WorkerStatus
 from shared.messages.events import RequestEvent, RequestFailed, RequestFinished, RequestProgress
 from shared.messages.intake import CompletionRequest
@@ -269,7 +270,7 @@ def mount_dashboard(app: FastAPI, gateway, clock: Callable[[], float] = time.tim
     async def timeline_page(request_id: str) -> FileResponse:
         return FileResponse(STATIC_DIR / "timeline.html", headers={"Cache-Control": "no-cache"})
 
-    @app.get("/v1/cluster")
+    @app.get("/v1/cluster", responses=LISTING_ERRORS)
     async def cluster() -> dict:
         """Live instances, load, recent thresholds and SLO attainment over time (the dashboard's data)."""
         state = await gateway.bus.readiness()
@@ -278,7 +279,7 @@ def mount_dashboard(app: FastAPI, gateway, clock: Callable[[], float] = time.tim
         body["ready"] = {"nats": state.nats_connected, "redis": state.redis_ok, "detail": dict(state.detail)}
         return body
 
-    @app.get("/v1/requests/{request_id}/timeline")
+    @app.get("/v1/requests/{request_id}/timeline", responses=READ_ERRORS)
     async def request_timeline(request_id: str, request: Request) -> dict:
         """A request's steps and its canvas as it filled in (the timeline page's data)."""
         info = await gateway.request_state(request_id, caller(request))  # 404 / 503 (and owner) as /v1/requests/{id}

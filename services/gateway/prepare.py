@@ -102,6 +102,20 @@ class RequestPreparer:
         except UnknownModelError as exc:
             raise ApiError(404, str(exc), "model", "model_not_found") from None
 
+    def _check_blocks(self, asked: int | None, block_length: int, gen_length: int) -> None:
+        """A 400 naming ``block_length`` for a request whose blocks would make it pathologically expensive:
+        below the floor, or more blocks (each a recompute forward with a KV cache) than the cap."""
+        floor, cap = self.settings.min_block_length, self.settings.max_blocks
+        if asked is not None and asked < floor:
+            raise invalid("block_length", f"block_length {asked} is below the minimum of {floor} "
+                          "(DLS_GATEWAY_MIN_BLOCK_LENGTH): every block starts with a full recompute forward",
+                          "block_length_too_small")
+        num_blocks = -(-gen_length // block_length)
+        if num_blocks > cap:
+            raise invalid("block_length", f"block_length {block_length} on a canvas of {gen_length} tokens makes "
+                          f"{num_blocks} blocks, more than {cap} (DLS_GATEWAY_MAX_BLOCKS); use a block_length of "
+                          f"at least {-(-gen_length // cap)} or a smaller max_tokens", "too_many_blocks")
+
     async def prepare(self, body: CompletionBody | ChatCompletionBody, request_id: str, now: float) -> PreparedRequest:
         model = self.model(body.model)
         chat = isinstance(body, ChatCompletionBody)
@@ -111,6 +125,7 @@ class RequestPreparer:
         block_length = body.block_length or model.default_block_length
         gen_length = model.limits.canvas(body.answer_cap, block_length, self.settings.max_gen_length)
         block_length = min(block_length, gen_length)
+        self._check_blocks(body.block_length, block_length, gen_length)
         if len(prompt_ids) + gen_length > model.max_sequence_length:
             raise invalid(prompt_field, f"{prompt_field} ({len(prompt_ids)} tokens) plus the canvas ({gen_length} "
                           f"tokens, from max_tokens) exceeds the model's context of {model.max_sequence_length} "

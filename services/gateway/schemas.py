@@ -71,7 +71,9 @@ class _GenerationFields(_Strict):
     min_threshold: float = Field(0.0, ge=0.0, le=1.0, description="quality floor: no step runs below this "
                                                                   "confidence threshold")
     priority: int = Field(0, ge=-MAX_PRIORITY - 1, le=MAX_PRIORITY, description="larger is more important")
-    block_length: int | None = Field(None, ge=1, description="semi-autoregressive block length; default: the model's")
+    block_length: int | None = Field(None, ge=1, description="semi-autoregressive block length; default: the model's. "
+                                     "At least DLS_GATEWAY_MIN_BLOCK_LENGTH (4), and the canvas holds at most "
+                                     "DLS_GATEWAY_MAX_BLOCKS (128) blocks: else a 400 naming block_length")
     cache: CacheName = Field("dual", description="approximate KV cache: none, prefix or dual")
     n: int | None = Field(None, ge=1, le=MAX_CHOICES, description="choices (samples) per request; default 1")
     temperature: float | None = Field(None, ge=0.0, le=2.0, description="sampling temperature; 0 or null: "
@@ -225,6 +227,14 @@ class ChatMessage(_Strict):
                 kind = part.get("type") if isinstance(part, dict) else None
                 if kind != "text":
                     raise ValueError(f"part {index} has type {kind!r}: only text parts are supported")
+        return content
+
+    @field_validator("content")
+    @classmethod
+    def _content_said(cls, content: Any, info) -> Any:
+        role = info.data.get("role")
+        if content is None and role not in (None, "assistant"):
+            raise ValueError(f"null is only allowed in an assistant message, not a {role} message")
         return content
 
     @property
@@ -467,3 +477,27 @@ class ErrorDetail(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorDetail
+
+
+_STATUS_MEANINGS = {  # status -> when the gateway answers it (every error has the ErrorResponse body)
+    400: "invalid request: the message and `param` name the field",
+    401: "missing or unknown API key (when DLS_GATEWAY_API_KEYS is set)",
+    404: "unknown model, or unknown (or expired) request id",
+    409: "an Idempotency-Key request that is still running elsewhere",
+    413: "request body over DLS_GATEWAY_MAX_REQUEST_BYTES",
+    422: "an Idempotency-Key reused with another body or number of choices",
+    429: "overloaded or rate-limited: retry after Retry-After",
+    500: "an internal error (a bug: reported with its type, never a stack trace)",
+    503: "no model instance is up, or NATS / Redis cannot be reached: retry after Retry-After",
+    504: "no answer within DLS_GATEWAY_REQUEST_TIMEOUT_S (the request keeps its id: GET /v1/requests/{id})",
+}
+
+
+def error_responses(*statuses: int) -> dict[int, dict]:
+    """OpenAPI ``responses`` for the error statuses a route can answer, each with the one error body."""
+    return {status: {"model": ErrorResponse, "description": _STATUS_MEANINGS[status]} for status in statuses}
+
+
+COMPLETION_ERRORS = error_responses(400, 401, 404, 409, 413, 422, 429, 500, 503, 504)  # POST completions
+READ_ERRORS = error_responses(401, 404, 422, 500, 503)  # GET of a request's state
+LISTING_ERRORS = error_responses(401, 500)  # GET of what needs no id

@@ -139,3 +139,45 @@ def test_unknown_route_has_the_error_shape():
     test_client, _ = client()
     response = test_client.get("/v1/nothing-here")
     assert response.status_code == 404 and "error" in response.json()
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("cache", ["dual", "none"])
+def test_block_length_1_on_a_long_canvas_is_400_naming_it(path, cache):
+    body = {"model": MODEL, "max_tokens": 128, "block_length": 1, "cache": cache}
+    body.update({"prompt": "1+1="} if path == "/v1/completions" else
+                {"messages": [{"role": "user", "content": "1+1="}]})
+    response, bus = post(body, path=path)
+    error = assert_error(response, 400, "block_length")
+    assert error["code"] == "block_length_too_small" and "DLS_GATEWAY_MIN_BLOCK_LENGTH" in error["message"]
+    assert bus.submitted == []
+    response, bus = post({**body, "block_length": 4}, path=path)  # the floor itself is served
+    assert response.status_code == 200, response.text
+    assert bus.submitted[0].block_length == 4
+
+
+def test_a_canvas_of_more_blocks_than_the_cap_is_400_saying_the_smallest_block_that_fits():
+    response, bus = post({**GOOD, "max_tokens": 128, "block_length": 8}, max_blocks=8)
+    error = assert_error(response, 400, "block_length")
+    assert error["code"] == "too_many_blocks"
+    assert "16 blocks" in error["message"] and "at least 16" in error["message"]
+    assert bus.submitted == []
+    response, bus = post({**GOOD, "max_tokens": 128, "block_length": 16}, max_blocks=8)
+    assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize("role", ["user", "system", "developer"])
+def test_content_null_outside_an_assistant_turn_is_400_naming_the_field(role):
+    messages = [{"role": role, "content": None}, {"role": "user", "content": "1+1="}]
+    if role == "user":
+        messages = [{"role": "user", "content": None}]
+    response, bus = post({"model": MODEL, "messages": messages}, path="/v1/chat/completions")
+    error = assert_error(response, 400, "messages[0].content")
+    assert "null" in error["message"] and bus.submitted == []
+
+
+def test_an_assistant_turn_with_null_content_is_accepted():
+    messages = [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": None},
+                {"role": "user", "content": "2+2="}]
+    response, bus = post({"model": MODEL, "messages": messages}, path="/v1/chat/completions")
+    assert response.status_code == 200, response.text
