@@ -29,8 +29,9 @@ import dataclasses
 import functools
 import logging
 import os
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -38,6 +39,7 @@ import msgspec
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
+from services.worker.beats import BeatThread
 from shared.generation import answer_of, stream_release
 from shared.messages import codec
 from shared.messages.base import CacheMode, StepKind
@@ -90,8 +92,12 @@ class WorkerService:
         *,
         instance_id: str | None = None,
         clock: Callable[[], float] | None = None,
+        beat_connect: Callable[[], Awaitable] | None = None,
     ) -> None:
-        """``clock``: unix time (default ``time.time``, offset by ``DLS_TEST_CLOCK_OFFSET_S`` when set)."""
+        """``clock``: unix time (default ``time.time``, offset by ``DLS_TEST_CLOCK_OFFSET_S`` when set);
+        ``beat_connect``: makes a NATS connection of its own for the periodic heartbeats, which then go
+        from a thread of their own (``services.worker.beats``: a step that holds the event loop cannot
+        delay them); None: they go from a task on this loop over ``nc``."""
         self.settings = settings
         self.engine = engine
         self.nc = nc
@@ -120,6 +126,9 @@ class WorkerService:
         self.num_steps = 0
         self.num_malformed = 0
         self.num_heartbeats = 0  # sent by this process (each heartbeat's seq)
+        self._beat_lock = threading.Lock()  # numbers heartbeats built on this loop and on the beat thread
+        self._beat_connect = beat_connect
+        self._beats: BeatThread | None = None
         self._computing_since: float | None = None  # time.monotonic() the running engine step began
         self._lock = asyncio.Lock()  # one step at a time
         self._open_steps: set[int] = set()  # steps commanded (or continued into) whose results are not out yet
@@ -149,7 +158,12 @@ class WorkerService:
         self._subscription = await self.nc.subscribe(self.subjects.step(self.instance_id), cb=self._on_command)
         self.status = WorkerStatus.READY
         await self._heartbeat()
-        self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name="heartbeat"))
+        if self._beat_connect is not None:
+            self._beats = BeatThread(self._beat_connect, self.subjects.heartbeat, self.settings.heartbeat_interval_s,
+                                     self._beat_bytes, name=f"heartbeat-{self.instance_id}")
+            self._beats.start()
+        else:
+            self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name="heartbeat"))
         freeze_startup_heap()  # full GC passes in the step loop skip the start-up heap (torch, the model)
         logger.info("worker %s ready (tp %d, model %s, pace %s)", self.instance_id, self.settings.tp,
                     self.engine.name, self.settings.pace_profile or "off")
@@ -185,6 +199,8 @@ class WorkerService:
         for task in self._tasks:
             if task is not current:
                 task.cancel()
+        if self._beats is not None:
+            await asyncio.to_thread(self._beats.stop)
         try:
             await self._heartbeat()
             if self._subscription is not None:
@@ -211,18 +227,23 @@ class WorkerService:
                 logger.warning("heartbeat failed: %s", exc)
 
     async def _heartbeat(self) -> None:
-        beat = WorkerHeartbeat(
-            instance_id=self.instance_id, node=self.settings.node, tp=self.settings.tp,
-            gpu_ids=list(self.settings.gpu_ids), max_batch=self.settings.max_batch, model=self.engine.name,
-            profile=self.profile_name, profile_scale=self.settings.pace_scale if self.pace else 1.0,
-            profile_context_tokens=(self.settings.pace_context_tokens or 0) if self.pace else 0,
-            status=self.status, num_resident=len(self.local),
-            ttl_s=self.settings.lease_ttl_s, sent_at=self.clock(), started_at=self.started_at,
-            metrics_port=self._metrics_server.server_port if self._metrics_server is not None else 0,
-            shard=self.shard, seq=self.num_heartbeats + 1, step_running_s=self.step_running_s(),
-        )
-        self.num_heartbeats += 1
-        await self.nc.publish(self.subjects.heartbeat, codec.encode(beat, self.settings.max_payload_bytes))
+        await self.nc.publish(self.subjects.heartbeat, self._beat_bytes())
+
+    def _beat_bytes(self) -> bytes:
+        """The next heartbeat, encoded (called on this loop and on the beat thread: numbered under a lock)."""
+        with self._beat_lock:
+            beat = WorkerHeartbeat(
+                instance_id=self.instance_id, node=self.settings.node, tp=self.settings.tp,
+                gpu_ids=list(self.settings.gpu_ids), max_batch=self.settings.max_batch, model=self.engine.name,
+                profile=self.profile_name, profile_scale=self.settings.pace_scale if self.pace else 1.0,
+                profile_context_tokens=(self.settings.pace_context_tokens or 0) if self.pace else 0,
+                status=self.status, num_resident=len(self.local),
+                ttl_s=self.settings.lease_ttl_s, sent_at=self.clock(), started_at=self.started_at,
+                metrics_port=self._metrics_server.server_port if self._metrics_server is not None else 0,
+                shard=self.shard, seq=self.num_heartbeats + 1, step_running_s=self.step_running_s(),
+            )
+            self.num_heartbeats += 1
+        return codec.encode(beat, self.settings.max_payload_bytes)
 
     def step_running_s(self) -> float:
         """How long the engine step now running has been computing (0 when none runs); heartbeats report
@@ -608,7 +629,8 @@ async def serve(settings: WorkerSettings) -> None:
     engine = await asyncio.to_thread(make_engine, settings)
     nc = await connect_nats(settings, "dls-worker")
     store = RedisStateStore.from_url(settings.redis_url, settings.redis_key_prefix)
-    service = WorkerService(settings, engine, nc, store)
+    service = WorkerService(settings, engine, nc, store,
+                            beat_connect=functools.partial(connect_nats, settings, "dls-worker-heartbeat"))
     on_stop_signals(service.drain)
     await service.start()
     try:
