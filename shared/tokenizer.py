@@ -44,6 +44,11 @@ class CharTokenizer:
         self.pad_token_id, self.mask_token_id, self.eos_token_id = 0, 1, 2
 
     @property
+    def alphabet(self) -> str:
+        """Every character it encodes (the text of a prompt must be made of these)."""
+        return "".join(self.vocab[len(_SPECIALS):])
+
+    @property
     def vocab_size(self) -> int:
         return len(self.vocab)
 

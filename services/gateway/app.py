@@ -43,9 +43,12 @@ from services.gateway.schemas import (
     LISTING_ERRORS,
     READ_ERRORS,
     ChatCompletionBody,
+    ChatCompletionResponse,
     CompletionBody,
+    CompletionResponse,
     ModelList,
     RequestInfo,
+    constrain_openapi,
 )
 from services.gateway.security import Admission, RedisRateLimiter, caller, rate_identity
 from services.gateway.sequencing import is_terminal
@@ -595,6 +598,20 @@ def _install_error_handlers(app: FastAPI) -> None:
 # --- the app -------------------------------------------------------------------------------------
 
 
+SSE_EVENT = {  # one server-sent event of a streamed answer, as the OpenAPI 3.2 SSE item (data: JSON or [DONE])
+    "type": "object",
+    "properties": {"event": {"type": "string", "description": "'message' (a chunk), 'progress' or 'error'"},
+                   "data": {"type": "string", "description": "a JSON chunk, or [DONE] at the end"},
+                   "id": {"type": "string"}, "retry": {"type": "integer"}},
+}
+
+
+def _answered(body: type) -> dict:
+    """OpenAPI 200 of a completion route: ``body`` as JSON, or server-sent events with ``stream``."""
+    return {"model": body, "description": "the answer; with `stream: true`, server-sent events (`data:` lines "
+            "of chunks, then `data: [DONE]`)", "content": {"text/event-stream": {"schema": SSE_EVENT}}}
+
+
 def slo_estimator(settings: GatewaySettings) -> SloEstimator | None:
     """Default SLOs from the profile, or None (logged) if it is unusable: every request then gets
     ``DLS_GATEWAY_DEFAULT_SLO_MS``."""
@@ -656,12 +673,14 @@ def create_app(settings: GatewaySettings, bus: Bus | None = None,
     app.add_middleware(ApiKeyMiddleware, api_keys=settings.api_keys)
     install_observability(app, metrics)  # added last: runs first (server span, request metrics, GET /metrics)
 
-    @app.post("/v1/completions", response_model=None, responses=COMPLETION_ERRORS)
+    @app.post("/v1/completions", response_model=None, responses={200: _answered(CompletionResponse),
+                                                                  **COMPLETION_ERRORS})
     async def completions(body: CompletionBody, request: Request) -> Response:
         """A text completion (``stream``: server-sent events)."""
         return await gateway.complete(body, request)
 
-    @app.post("/v1/chat/completions", response_model=None, responses=COMPLETION_ERRORS)
+    @app.post("/v1/chat/completions", response_model=None, responses={200: _answered(ChatCompletionResponse),
+                                                                       **COMPLETION_ERRORS})
     async def chat_completions(body: ChatCompletionBody, request: Request) -> Response:
         """A chat completion (``stream``: server-sent events)."""
         return await gateway.complete(body, request)
@@ -694,4 +713,16 @@ def create_app(settings: GatewaySettings, bus: Bus | None = None,
         return JSONResponse(body, status_code=200 if ready else 503)
 
     mount_dashboard(app, gateway)  # /dashboard, /requests/{id}, /v1/cluster, /v1/requests/{id}/timeline
+    derive_openapi = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            models = gateway.preparer.catalogue.models
+            alphabets = {m.codec.alphabet for m in models}  # one closed alphabet for all, or none written
+            alphabet = alphabets.pop() if len(alphabets) == 1 else None
+            app.openapi_schema = constrain_openapi(derive_openapi(), [m.name for m in models],
+                                                   settings.min_block_length, alphabet)
+        return app.openapi_schema
+
+    app.openapi = openapi
     return app

@@ -55,6 +55,7 @@ class TextCodec(Protocol):
     """Text <-> token ids for one model, as the gateway needs them."""
 
     mask_token_id: int  # the id of an uncommitted canvas position
+    alphabet: str | None  # every character the tokenizer can encode, when that set is closed; None: any text
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``; ``TokenizerError`` if the tokenizer cannot encode it."""
@@ -80,6 +81,7 @@ class CharCodec:
     def __init__(self, tokenizer: CharTokenizer, chat_template: str | None = None) -> None:
         self.tokenizer = tokenizer
         self.mask_token_id = tokenizer.mask_token_id
+        self.alphabet = tokenizer.alphabet
         self.chat_template = chat_template  # overrides the tokenizer's own
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -102,6 +104,7 @@ class HfCodec:
     def __init__(self, tokenizer, mask_token_id: int, chat_template: str | None = None) -> None:
         self.tokenizer = tokenizer
         self.mask_token_id = mask_token_id
+        self.alphabet = None  # byte-level BPE: any text encodes
         self.chat_template = chat_template or getattr(tokenizer, "chat_template", None)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -16,6 +16,7 @@ out-of-range values are refused the same way. Limits that depend on the served m
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -94,6 +95,16 @@ class _GenerationFields(_Strict):
     store: bool | None = Field(None, description="accepted, ignored: nothing is stored for later retrieval")
     service_tier: str | None = Field(None, description="accepted, ignored")
     skip_special_tokens: bool = Field(True, description="only true: special tokens never appear in the text")
+
+    @field_validator("max_tokens", "max_completion_tokens", "seed", "priority", "block_length", "n", "top_k",
+                     "min_tokens", "logprobs", "best_of", "top_logprobs", mode="before", check_fields=False)
+    @classmethod
+    def _integral(cls, value: Any) -> Any:
+        """An integral number sent as a float (``16.0``) is that integer: JSON has one number type, and the
+        schema's ``integer`` admits it; ``16.5`` is still refused."""
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        return value
 
     @field_validator("min_p")
     @classmethod
@@ -501,3 +512,49 @@ def error_responses(*statuses: int) -> dict[int, dict]:
 COMPLETION_ERRORS = error_responses(400, 401, 404, 409, 413, 422, 429, 500, 503, 504)  # POST completions
 READ_ERRORS = error_responses(401, 404, 422, 500, 503)  # GET of a request's state
 LISTING_ERRORS = error_responses(401, 500)  # GET of what needs no id
+
+
+_ONLY = {"min_p": 0, "presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "min_tokens": 0}
+
+
+def constrain_openapi(schema: dict, model_names: list[str], min_block_length: int, alphabet: str | None) -> dict:
+    """The OpenAPI schema that FastAPI derives, narrowed to what the validation admits (in place): the
+    served models' ids, the block-length floor of the settings, the no-op-only fields at their one value,
+    the largest seed as an exact integer, ``content: null`` in assistant messages only, and the text made
+    of the tokenizer's ``alphabet`` where it has a closed one. What depends on the whole request (the
+    prompt's tokens plus the canvas against the context) cannot be written in a schema."""
+    components = schema["components"]["schemas"]
+    for body in ("CompletionBody", "ChatCompletionBody"):
+        fields = components[body]["properties"]
+        fields["model"]["enum"] = sorted(model_names)
+        fields["block_length"]["anyOf"][0]["minimum"] = min_block_length
+        fields["seed"]["anyOf"][0]["maximum"] = MAX_SEED
+        for name, value in _ONLY.items():
+            fields[name]["anyOf"][0]["enum"] = [value]
+        fields["skip_special_tokens"]["enum"] = [True]
+        fields["logit_bias"]["anyOf"][0]["maxProperties"] = 0
+    completion = components["CompletionBody"]["properties"]
+    if alphabet is not None:
+        text = "[" + "".join(re.escape(c) for c in alphabet) + "]"
+        completion["prompt"]["pattern"] = f"^{text}+$"
+        components["TextPart"]["properties"]["text"]["anyOf"][0]["pattern"] = f"^{text}*$"
+        components["ChatMessage"]["properties"]["content"]["anyOf"][0]["pattern"] = f"^{text}*$"
+    completion["echo"]["enum"] = [False]
+    completion["suffix"]["anyOf"] = [{"type": "null"}]
+    chat = components["ChatCompletionBody"]["properties"]
+    chat["tools"]["anyOf"][0]["maxItems"] = 0
+    chat["tool_choice"]["anyOf"][0]["enum"] = ["none"]
+    components["ResponseFormat"]["properties"]["type"]["enum"] = ["text"]
+    message = components["ChatMessage"]
+    said = {**message["properties"]["content"], "anyOf": [t for t in message["properties"]["content"]["anyOf"]
+                                                           if t != {"type": "null"}]}
+    components["ChatMessage"] = {
+        "title": message["title"], "description": message["description"] + " ``content`` is null only in an "
+        "assistant message.",
+        "oneOf": [
+            {**message, "properties": {**message["properties"], "role": {"type": "string", "enum": [
+                "system", "developer", "user"]}, "content": said}},
+            {**message, "properties": {**message["properties"], "role": {"type": "string", "enum": ["assistant"]}}},
+        ],
+    }
+    return schema

@@ -1,12 +1,18 @@
 """Schemathesis fuzzing of the gateway's OpenAPI schema: generated requests (valid and invalid
 bodies, odd path parameters, with and without a key) against the in-process app (fake bus) never get
-a 5xx, and every answer matches the status codes and shapes the schema declares."""
+a 5xx, and every answer has a status code, content type and body the schema declares
+(``tests/integration/test_schemathesis_stack.py`` runs the same checks against the real stack)."""
 
 from __future__ import annotations
 
 import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
 
 from services.gateway.app import create_app
 from tests.unit.gateway.gateway_builders import FakeBus
@@ -22,7 +28,8 @@ schema = schemathesis.openapi.from_asgi("/openapi.json", app, headers={"Authoriz
 def test_no_input_gets_a_server_error(case):
     case.headers = {**(case.headers or {}), "Authorization": f"Bearer {KEY}"}
     response = case.call()
-    case.validate_response(response, checks=(not_a_server_error,))
+    case.validate_response(response, checks=(not_a_server_error, status_code_conformance, content_type_conformance,
+                                             response_schema_conformance))
     assert response.status_code < 500, response.text
 
 

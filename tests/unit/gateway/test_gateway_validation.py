@@ -42,7 +42,7 @@ def assert_error(response, status: int, param: str | None) -> dict:
     ({"max_tokens": 0}, "max_tokens"),
     ({"max_completion_tokens": -1}, "max_completion_tokens"),
     ({"ignore_eos": "yes"}, "ignore_eos"),
-    ({"max_tokens": 8.0}, "max_tokens"),  # not an integer
+    ({"max_tokens": 8.5}, "max_tokens"),  # not an integer (8.0 is 8)
     ({"cache": "full"}, "cache"),
     ({"min_threshold": 1.5}, "min_threshold"),
     ({"min_threshold": -0.1}, "min_threshold"),
