@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test test-chaos test-soak test-all lint bench train-model profile clean
+.PHONY: setup run test test-chaos test-soak test-fuzz test-all lint bench train-model profile clean
 
 setup: $(STAMP)
 
@@ -32,6 +32,13 @@ test-chaos: setup
 SOAK_MINUTES ?= 10
 test-soak: setup
 	$(PY) -m tests.soak --minutes $(SOAK_MINUTES) --json soak-report.json
+
+# Schemathesis (the st CLI, unmodified) against `dls up --workers 2` for FUZZ_SECONDS with the examples,
+# coverage and fuzzing phases and the status-code, content-type, response-schema and no-5xx checks; then
+# a completion must still be answered correctly (tests/integration/test_schemathesis_stack.py).
+FUZZ_SECONDS ?= 150
+test-fuzz: setup
+	DLS_FUZZ_SECONDS=$(FUZZ_SECONDS) $(PY) -m pytest -q -m fuzz tests/integration/test_schemathesis_stack.py
 
 test-all: setup
 	$(PY) -m pytest -q -m ''

@@ -129,6 +129,8 @@ class WorkerService:
         self._beat_lock = threading.Lock()  # numbers heartbeats built on this loop and on the beat thread
         self._beat_connect = beat_connect
         self._beats: BeatThread | None = None
+        self._loop_tick = time.monotonic()  # when this event loop last ran its tick task (the beat thread reads it)
+        self._wedged_logged = False
         self._computing_since: float | None = None  # time.monotonic() the running engine step began
         self._lock = asyncio.Lock()  # one step at a time
         self._open_steps: set[int] = set()  # steps commanded (or continued into) whose results are not out yet
@@ -160,7 +162,8 @@ class WorkerService:
         await self._heartbeat()
         if self._beat_connect is not None:
             self._beats = BeatThread(self._beat_connect, self.subjects.heartbeat, self.settings.heartbeat_interval_s,
-                                     self._beat_bytes, name=f"heartbeat-{self.instance_id}")
+                                     self._live_beat_bytes, name=f"heartbeat-{self.instance_id}")
+            self._tasks.append(asyncio.create_task(self._tick_loop(), name="loop-tick"))
             self._beats.start()
         else:
             self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name="heartbeat"))
@@ -228,6 +231,24 @@ class WorkerService:
 
     async def _heartbeat(self) -> None:
         await self.nc.publish(self.subjects.heartbeat, self._beat_bytes())
+
+    async def _tick_loop(self) -> None:
+        while True:
+            self._loop_tick = time.monotonic()
+            await asyncio.sleep(self.settings.heartbeat_interval_s)
+
+    def _live_beat_bytes(self) -> bytes | None:
+        """The beat thread's next heartbeat, or None while this event loop is wedged outside any step: not
+        ticked for a lease while no engine step computes. A step that holds the loop keeps the lease (its
+        ``step_running_s`` reports it, and the scheduler's step timeout deals with a step that never
+        returns); a loop stuck anywhere else lets the lease lapse, as a silent worker's does."""
+        wedged = self._computing_since is None and time.monotonic() - self._loop_tick > self.settings.lease_ttl_s
+        if wedged != self._wedged_logged:
+            self._wedged_logged = wedged
+            (logger.warning if wedged else logger.info)(
+                "worker %s: event loop %s", self.instance_id,
+                "wedged outside any step: heartbeats withheld" if wedged else "answers again: heartbeats resume")
+        return None if wedged else self._beat_bytes()
 
     def _beat_bytes(self) -> bytes:
         """The next heartbeat, encoded (called on this loop and on the beat thread: numbered under a lock)."""

@@ -3,7 +3,8 @@ heartbeats go from a thread of their own (``services.worker.beats``), which noth
 delay. The worker runs on an event loop of its own thread (as in a process of its own) with a FAKE engine
 that holds that loop for longer than the lease at every step; the scheduler and the gateway's bus run on
 the test's loop against real nats-server and redis-server. The same worker with its heartbeats on its
-event loop (as before) is declared dead mid-step: that half shows the test can fail."""
+event loop (as before) is declared dead mid-step: that half shows the test can fail. A loop wedged
+outside any step still lets the lease lapse: the beat thread withholds heartbeats then."""
 
 from __future__ import annotations
 
@@ -122,3 +123,24 @@ def test_with_heartbeats_on_its_event_loop_the_same_worker_is_declared_dead_mid_
                                                                                     unique_prefix):
     missing, _ = asyncio.run(_run(nats_server.url, redis_server.url, unique_prefix, threaded_beats=False))
     assert "scheduler" in missing and "gateway" in missing
+
+
+def test_a_worker_whose_event_loop_is_wedged_outside_any_step_is_declared_dead(nats_server, redis_server,
+                                                                               unique_prefix):
+    async def main() -> list[str]:
+        cluster = LiveCluster(nats_server.url, redis_server.url, unique_prefix, policy="fixed")
+        await cluster.start(num_workers=0)
+        worker = ThreadedWorker(cluster, "wedged", threaded_beats=True)
+        try:
+            await worker.start()
+            await cluster.wait_for(lambda: "wedged" in cluster.scheduler.instances, what="the worker joined")
+            worker.loop.call_soon_threadsafe(time.sleep, 3 * LEASE_TTL_S)  # no step runs: the loop is wedged
+            await cluster.wait_for(lambda: "wedged" not in cluster.scheduler.instances, timeout_s=3 * LEASE_TTL_S,
+                                   what="the wedged worker's lease lapsing")
+            await cluster.wait_for(lambda: "wedged" in cluster.scheduler.instances, timeout_s=10,
+                                   what="the worker back once its loop answers")
+        finally:
+            await worker.stop()
+            await cluster.close()
+
+    asyncio.run(main())
