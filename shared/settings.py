@@ -80,6 +80,10 @@ class GatewaySettings(ServiceSettings):
     max_blocks: int = _own("gateway", "max_blocks", 128,
                            "most blocks (so recompute steps with a KV cache) one request's canvas may hold: "
                            "canvas / block_length above it is a 400 naming block_length", gt=0)
+    max_recompute_steps: int = _own("gateway", "max_recompute_steps", 512,
+                                    "most full forwards one request may need at worst: its blocks with a KV cache, "
+                                    "its canvas without one (cache none commits a token per step at worst); more: a "
+                                    "400 naming cache", gt=0)
     request_timeout_s: float = _own("gateway", "request_timeout_s", 300.0,
                                     "give up waiting for a request's final event after this long", gt=0)
     model_dir: str = _own("gateway", "model_dir", "models/dls-tiny",

@@ -116,6 +116,16 @@ class RequestPreparer:
                           f"{num_blocks} blocks, more than {cap} (DLS_GATEWAY_MAX_BLOCKS); use a block_length of "
                           f"at least {-(-gen_length // cap)} or a smaller max_tokens", "too_many_blocks")
 
+    def _check_recomputes(self, cache_mode: CacheMode, gen_length: int) -> None:
+        """A 400 naming ``cache`` when a request without a KV cache could need more full forwards than the
+        cap (one per step, and a step may commit a single token); with a cache they are its blocks, which
+        ``_check_blocks`` bounds below the cap's default."""
+        cap = self.settings.max_recompute_steps
+        if cache_mode == CacheMode.NONE and gen_length > cap:
+            raise invalid("cache", f"cache 'none' on a canvas of {gen_length} tokens may take {gen_length} full "
+                          f"forwards, more than {cap} (DLS_GATEWAY_MAX_RECOMPUTE_STEPS); use cache 'prefix' or "
+                          "'dual', or a smaller max_tokens", "too_many_recompute_steps")
+
     async def prepare(self, body: CompletionBody | ChatCompletionBody, request_id: str, now: float) -> PreparedRequest:
         model = self.model(body.model)
         chat = isinstance(body, ChatCompletionBody)
@@ -126,6 +136,7 @@ class RequestPreparer:
         gen_length = model.limits.canvas(body.answer_cap, block_length, self.settings.max_gen_length)
         block_length = min(block_length, gen_length)
         self._check_blocks(body.block_length, block_length, gen_length)
+        self._check_recomputes(CacheMode(body.cache), gen_length)
         if len(prompt_ids) + gen_length > model.max_sequence_length:
             raise invalid(prompt_field, f"{prompt_field} ({len(prompt_ids)} tokens) plus the canvas ({gen_length} "
                           f"tokens, from max_tokens) exceeds the model's context of {model.max_sequence_length} "

@@ -181,3 +181,12 @@ def test_an_assistant_turn_with_null_content_is_accepted():
                 {"role": "user", "content": "2+2="}]
     response, bus = post({"model": MODEL, "messages": messages}, path="/v1/chat/completions")
     assert response.status_code == 200, response.text
+
+
+def test_cache_none_on_a_canvas_past_the_recompute_cap_is_400_naming_cache():
+    response, bus = post({**GOOD, "max_tokens": 128, "cache": "none"}, max_recompute_steps=64)
+    error = assert_error(response, 400, "cache")
+    assert error["code"] == "too_many_recompute_steps" and "DLS_GATEWAY_MAX_RECOMPUTE_STEPS" in error["message"]
+    assert bus.submitted == []
+    response, bus = post({**GOOD, "max_tokens": 128, "cache": "dual"}, max_recompute_steps=64)  # 16 blocks
+    assert response.status_code == 200, response.text
