@@ -147,9 +147,9 @@ class RequestPreparer:
         n = body.num_choices
         choices = tuple(CompletionRequest(
             request_id=choice_id(request_id, i, n), prompt_token_ids=prompt_ids, gen_length=gen_length,
-            block_length=block_length, max_tokens=body.answer_cap, ignore_eos=body.ignore_eos, cache_mode=cache_mode,
+            block_length=block_length, max_tokens=_wire_int(body.answer_cap), ignore_eos=body.ignore_eos, cache_mode=cache_mode,
             slo_ms=slo_ms, min_threshold=body.min_threshold, priority=body.priority, seed=choice_seed(body.seed, i),
-            temperature=body.temperature or 0.0, top_p=body.top_p or 1.0, top_k=max(body.top_k or 0, 0),
+            temperature=body.temperature or 0.0, top_p=body.top_p or 1.0, top_k=_wire_int(max(body.top_k or 0, 0)),
             logprobs=body.num_top_logprobs, stop=body.stop_strings, arrival_time=now, stream=body.stream,
             model=model.name,
         ) for i in range(n))
@@ -186,3 +186,12 @@ class RequestPreparer:
         if not ids:
             raise invalid(field, f"{field} is empty after tokenization", "empty_prompt")
         return ids
+
+
+WIRE_INT_MAX = 2**31 - 1  # larger caps mean the same as this one (no canvas or vocabulary comes near it)
+
+
+def _wire_int(value: int | None) -> int | None:
+    """A cap the client may send as any integer (``max_tokens``, ``top_k``), bounded so that it fits the
+    wire's integers (msgpack's are 64-bit) without changing what it means."""
+    return None if value is None else min(value, WIRE_INT_MAX)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from shared.messages import codec
+from shared.messages.intake import CompletionRequest
 from tests.unit.gateway.gateway_builders import MODEL, client
 
 GOOD = {"model": MODEL, "prompt": "1+1="}
@@ -190,3 +192,16 @@ def test_cache_none_on_a_canvas_past_the_recompute_cap_is_400_naming_cache():
     assert bus.submitted == []
     response, bus = post({**GOOD, "max_tokens": 128, "cache": "dual"}, max_recompute_steps=64)  # 16 blocks
     assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens", "top_k"])
+def test_a_cap_past_the_wires_integers_is_served_as_no_cap(field):
+    response, bus = post({**GOOD, field: 10**30})
+    assert response.status_code == 200, response.text
+    request = bus.submitted[0]
+    assert max(request.max_tokens or 0, request.top_k) < 2**63
+    assert codec_round_trip(request) == request  # fits msgpack (a 10**30 would raise OverflowError)
+
+
+def codec_round_trip(request: CompletionRequest) -> CompletionRequest:
+    return codec.decode(CompletionRequest, codec.encode(request))
