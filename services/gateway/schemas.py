@@ -73,8 +73,8 @@ class _GenerationFields(_Strict):
                                                                   "confidence threshold")
     priority: int = Field(0, ge=-MAX_PRIORITY - 1, le=MAX_PRIORITY, description="larger is more important")
     block_length: int | None = Field(None, ge=1, description="semi-autoregressive block length; default: the model's. "
-                                     "At least DLS_GATEWAY_MIN_BLOCK_LENGTH (4), and the canvas holds at most "
-                                     "DLS_GATEWAY_MAX_BLOCKS (128) blocks: else a 400 naming block_length")
+                                     "At least DLS_GATEWAY_MIN_BLOCK_LENGTH, and the canvas holds at most "
+                                     "DLS_GATEWAY_MAX_BLOCKS blocks: else a 400 naming block_length")
     cache: CacheName = Field("dual", description="approximate KV cache: none, prefix or dual")
     n: int | None = Field(None, ge=1, le=MAX_CHOICES, description="choices (samples) per request; default 1")
     temperature: float | None = Field(None, ge=0.0, le=2.0, description="sampling temperature; 0 or null: "

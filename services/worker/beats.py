@@ -32,7 +32,7 @@ class BeatThread:
         self._connect = connect
         self._subject = subject
         self._interval_s = interval_s
-        self._build = build  # the next heartbeat's bytes; None: send nothing this time (the worker has left)
+        self._build = build  # the next heartbeat's bytes; None: send nothing this time (the worker's loop is wedged)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self.num_sent = 0
