@@ -244,6 +244,10 @@ class ReconfiguratorSettings(ServiceSettings):
     solver_time_limit_s: float = _own("reconfigurator", "solver_time_limit_s", 30.0, "HiGHS time limit", gt=0)
     window_s: float = _own("reconfigurator", "window_s", 300.0, "arrival rates are measured over this sliding window",
                            gt=0)
+    peak_windows: int | None = _own("reconfigurator", "peak_windows", None,
+                                    "plan for the highest rate of the last this many windows, and make no plan "
+                                    "for a gain alone before watching that long (unset: the monitor's default, 8; "
+                                    "1: the last window alone)", ge=1)
     ack_timeout_s: float = _own("reconfigurator", "ack_timeout_s", 300.0,
                                 "a plan (or one wave of a rolling plan) not acknowledged by all its nodes within "
                                 "this long stops holding back the next", gt=0)

@@ -63,7 +63,11 @@ class Reconfigurator:
         outcome = plan_reconfiguration(
             workload, cluster, self._profile, next(self._plan_ids), self._planner_options
         )
-        decision = self._trigger.consider(outcome.plan.plan_id, outcome.plan.capacity, outcome.current)
+        monitor = self._monitor
+        gains_wait = None if monitor.has_full_memory() else (
+            f"arrivals have been watched for {monitor.observed_s():.0f} s, less than the "
+            f"{monitor.memory_s:.0f} s whose peak rates plans are made for")
+        decision = self._trigger.consider(outcome.plan.plan_id, outcome.plan.capacity, outcome.current, gains_wait)
         return PlanningRound(decision, outcome)
 
     def acknowledge(self, plan_id: str) -> bool:

@@ -3,7 +3,9 @@
 Rule (the paper's practical consideration): apply a Stage 1 proposal only when it beats the current
 shape by ``margin`` (relative, default 10%) on the primary objective (average threshold), or ties it
 and beats it by ``margin`` on the secondary one (SLO slack); always apply when the current shape
-cannot serve the workload at all. An issued plan stays in flight, and no other plan is issued,
+cannot serve the workload at all. A plan for a gain alone waits until the workload monitor has
+watched its whole peak memory (``WorkloadMonitor.has_full_memory``): the first minutes of a bursty
+workload read as a quiet one. An issued plan stays in flight, and no other plan is issued,
 until the node agents acknowledge it or ``ack_timeout_s`` passes on the injected clock.
 """
 
@@ -41,9 +43,13 @@ class IssuedPlan:
 
 
 def improvement_decision(
-    candidate: CapacityPlan, current: CapacityPlan | None, margin: float
+    candidate: CapacityPlan, current: CapacityPlan | None, margin: float, gains_wait: str | None = None
 ) -> TriggerDecision:
-    """The margin rule alone: should ``candidate`` replace ``current`` (None: nothing running)?"""
+    """The margin rule alone: should ``candidate`` replace ``current`` (None: nothing running)?
+
+    ``gains_wait``: why a plan for a gain alone must wait (the monitor has not watched long enough to
+    know the workload's bursts); a shape that cannot serve the workload is still replaced.
+    """
     if current is None:
         return TriggerDecision(True, "nothing is running")
     if _shape(candidate) == _shape(current):
@@ -52,6 +58,8 @@ def improvement_decision(
         return TriggerDecision(True, current.fallback_reason or "the current shape cannot serve the workload")
     if candidate.objective is None:
         return TriggerDecision(False, "Stage 1 found no plan, but the current shape serves the workload")
+    if gains_wait is not None:
+        return TriggerDecision(False, f"the current shape serves the workload and {gains_wait}")
     new, old = candidate.objective, current.objective
     quality_gain = _relative_gain(new.avg_threshold, old.avg_threshold)
     if quality_gain >= margin:
@@ -105,13 +113,13 @@ class ReconfigTrigger:
         return last
 
     def consider(
-        self, plan_id: str, candidate: CapacityPlan, current: CapacityPlan | None
+        self, plan_id: str, candidate: CapacityPlan, current: CapacityPlan | None, gains_wait: str | None = None
     ) -> TriggerDecision:
         """Decide on ``candidate``; when it is to be applied, it becomes the plan in flight."""
         pending = self.in_flight()
         if pending is not None:
             return TriggerDecision(False, f"plan {pending.plan_id} is still waiting for acknowledgement")
-        decision = improvement_decision(candidate, current, self.margin)
+        decision = improvement_decision(candidate, current, self.margin, gains_wait)
         if decision.apply:
             self._last = IssuedPlan(plan_id, issued_at=self._clock())
         return decision

@@ -19,6 +19,7 @@ def settings(**overrides) -> MonitorSettings:
     base = dict(
         window_s=100.0,
         min_window_s=10.0,
+        peak_windows=1,  # the sliding window alone; test_peak_memory_* turn the peak memory on
         safety_buffer=0.25,
         buckets=LengthBuckets(prompt_edges=(256,), output_edges=(128,)),
     )
@@ -92,3 +93,34 @@ def test_high_rates_are_binned_not_stored_per_event():
     clock.now = 200.0
     assert monitor.snapshot().classes[0].rate == pytest.approx(1000.0, rel=0.011)
     assert len(monitor._bins) <= 101
+
+
+def test_peak_memory_keeps_the_last_bursts_rate_through_a_quiet_spell():
+    """A burst of 300 arrivals in 10 s, then silence: the planned rate stays at the burst's window rate
+    (3 req/s over a 100-s window) for ``peak_windows`` windows, then drops to nothing."""
+    clock = FakeClock()
+    monitor = WorkloadMonitor(clock, settings(peak_windows=3))
+    for i in range(300):
+        monitor.observe(ArrivalEvent(90.0 + i / 30.0, 100, 64))
+    for now, expected in ((100.0, 3.0), (150.0, 3.0), (250.0, 3.0), (350.0, 3.0)):
+        clock.now = now
+        assert monitor.snapshot().classes[0].rate == pytest.approx(expected), now
+    clock.now = 401.0  # the burst's bins ended 301 s ago: older than three windows
+    assert monitor.snapshot().classes == ()
+
+
+def test_peak_memory_takes_the_highest_window_per_class():
+    clock = FakeClock()
+    monitor = WorkloadMonitor(clock, settings(peak_windows=2))
+    for t in range(100):  # window (0, 100]: 1 short/s; window (100, 200]: 2 short/s and 1 long/s
+        monitor.observe(ArrivalEvent(float(t), 100, 64))
+    for t in range(100, 200):
+        monitor.observe(ArrivalEvent(float(t), 100, 64))
+        monitor.observe(ArrivalEvent(t + 0.5, 100, 64))
+        monitor.observe(ArrivalEvent(float(t), 900, 500))
+    clock.now = 300.0  # the newest window (200, 300] is empty
+    rates = {c.name: c.rate for c in monitor.snapshot().classes}
+    assert rates == {"p0-256,o0-128": pytest.approx(2.0), "p>256,o>128": pytest.approx(1.0)}
+    clock.now = 350.0  # (0, 100] and half of (100, 200] are out: the windows are (150, 250], (250, 350]
+    rates = {c.name: c.rate for c in monitor.snapshot().classes}
+    assert rates == {"p0-256,o0-128": pytest.approx(1.0), "p>256,o>128": pytest.approx(0.5)}

@@ -46,3 +46,31 @@ def test_low_then_high_load_reshapes_the_cluster(profile, cluster16):
     assert shape(second.plan_to_apply).get(1, 0) > 0
     assert second.plan_to_apply.plan_id == "plan-2"
     assert second.outcome.current.instances_by_tp[4] == 4
+
+
+def test_gain_plans_wait_for_the_peak_memory_and_bursts_are_remembered(profile, cluster16):
+    """After a burst brought 16 TP-1 instances, a light load that 4 TP-4 ones would serve with lower
+    latency does not reshape the cluster until the burst is older than the monitor's memory (8
+    windows); and a monitor that has not yet watched that long makes no plan for a gain alone."""
+    clock = FakeClock()
+    settings = MonitorSettings(window_s=60.0, slo_s=4.0, peak_windows=8)
+    policy = Reconfigurator(profile, clock, settings, margin=0.05, ack_timeout_s=120.0)
+    feed(policy, clock, rps=80.0, seconds=60)
+    first = policy.step(cluster16)
+    assert first.decision.apply and shape(first.plan_to_apply).get(1, 0) > 0
+    tp1 = cluster16.with_placement(tuple(first.plan_to_apply.placement.target_instances()))
+    assert policy.acknowledge("plan-1")
+
+    feed(policy, clock, rps=0.5, seconds=300)  # quiet for less than the memory: the burst is the plan
+    assert not policy.step(tp1).decision.apply
+    feed(policy, clock, rps=0.5, seconds=240)  # the burst is 540 s old, past 8 x 60 s
+    quiet = policy.step(tp1)
+    assert quiet.decision.apply and shape(quiet.plan_to_apply) == {4: 4}, quiet.decision.reason
+
+    fresh_clock = FakeClock()
+    fresh = Reconfigurator(profile, fresh_clock, settings, margin=0.05, ack_timeout_s=120.0)
+    feed(fresh, fresh_clock, rps=0.5, seconds=120)
+    early = fresh.step(tp1)
+    assert not early.decision.apply and "watched for 120 s" in early.decision.reason
+    feed(fresh, fresh_clock, rps=0.5, seconds=360)
+    assert shape(fresh.step(tp1).plan_to_apply) == {4: 4}
