@@ -27,6 +27,7 @@ class ClusterSpec:
     reconfigure: bool = False
     reconfig_period_s: float = 60.0  # the paper: every few minutes
     reconfig_window_s: float = 60.0  # the workload monitor's sliding window
+    reconfig_peak_windows: int | None = None  # MonitorSettings.peak_windows (None: the monitor's default)
     startup_s: float = 10.0  # model load of a started instance
     rolling: bool = True  # apply a plan node by node (``PlacementPlan.waves``); False: every node at once
     migration_base_s: float = 0.002  # per migration: stop-and-copy of token state (tens of KB)

@@ -40,7 +40,7 @@ from shared.request_traces import read_trace
 from shared.tasks import SHORT_FAMILIES, Family, Split, TaskGenerator
 from sim.cluster import SimCluster, initial_placement
 from sim.engines import DEFAULT_MODEL_DIR, ENGINES, ReplayTrace, calibrate
-from sim.metrics import attainment_over_time, summarize
+from sim.metrics import attainment_over_time, breakdown, summarize
 from sim.predictors import PREDICTION_SOURCES
 from sim.presets import Preset, resolve_policy
 from sim.simulator import Simulator, VirtualClock
@@ -273,6 +273,11 @@ def run_point(setup_: Setup, label: str, point_index: int, engine_name: str | No
         continued_steps=sim.core.counters["continued_steps"], pipelined_steps=sim.core.counters["pipelined_steps"],
         # batched steps run and the requests each carried on average (the workers log their steps)
         batched_steps=sim.batched_steps, mean_batch=round(sim.batched_items / max(sim.batched_steps, 1), 3),
+        # the same over the steps that started while requests waited in the queue, and that mean over
+        # the instances' maximum batch (1.0: every such step ran full)
+        mean_batch_when_queued=round(sim.queued_items / sim.queued_steps, 3) if sim.queued_steps else None,
+        batch_fill_when_queued=round(sim.queued_items / sim.queued_max_items, 4) if sim.queued_steps else None,
+        breakdown=breakdown(result.records, sim.reconfiguration_instance_s),
     )
     summary["reconfiguration"] = reconfigures
     if preset.cluster.reconfigure:
@@ -289,6 +294,7 @@ def _reconfigurator(setup_: Setup, clock: VirtualClock) -> Reconfigurator:
         block_length=setup_.preset.workload.block_len, slo_s=setup_.slo_s,
         kv_cache=setup_.preset.cache_mode != CacheMode.NONE,
         buckets=LengthBuckets(prompt_edges=(64, 128), output_edges=(16,)),
+        **({} if spec.reconfig_peak_windows is None else {"peak_windows": spec.reconfig_peak_windows}),
     )
     solver = SolverOptions(time_limit_s=5.0, threads=1)
     options = PlannerOptions(stage1=Stage1Options(solver=solver), stage2=Stage2Options())

@@ -22,6 +22,8 @@ class SimRequestRecord:
     num_steps: int = 0
     num_migrations: int = 0
     threshold_sum: float = 0.0  # sum over steps of the step's threshold
+    first_step_s: float | None = None  # when its first step started
+    migration_s: float = 0.0  # time its steps spent loading its state after a move
 
     @property
     def latency_s(self) -> float | None:
@@ -71,6 +73,23 @@ def summarize(records: list[SimRequestRecord]) -> dict:
         "mean_threshold": sum(r.threshold_sum for r in records) / steps if steps else math.nan,
         "num_migrations": sum(r.num_migrations for r in records),
         **({"slo_attainment_by_class": _by_class(records, classes)} if len(classes) > 1 else {}),
+    }
+
+
+def breakdown(records: list[SimRequestRecord], reconfiguration_instance_s: float) -> dict:
+    """Where a run's time went beyond the steps themselves, per request (means over every request):
+    waiting for the first step (``queueing_s``), state copies after moves (``migration_s``), and
+    the instance-seconds plans kept out of service (starting up, draining), spread over the requests
+    (``reconfiguration_s``); plus the mean threshold of the steps run."""
+    n = len(records)
+    steps = sum(r.num_steps for r in records)
+    waits = [r.first_step_s - r.arrival_s for r in records if r.first_step_s is not None]
+    return {
+        "queueing_s": round(float(np.mean(waits)), 4) if waits else 0.0,
+        "migration_s": round(sum(r.migration_s for r in records) / n, 4) if n else 0.0,
+        "reconfiguration_s": round(reconfiguration_instance_s / n, 4) if n else 0.0,
+        "reconfiguration_instance_s": round(reconfiguration_instance_s, 3),
+        "mean_threshold": round(sum(r.threshold_sum for r in records) / steps, 4) if steps else None,
     }
 
 

@@ -140,6 +140,15 @@ class Simulator:
         self._running: dict[str, _Running] = {}  # instance id -> its step in flight
         self.batched_steps = 0  # batched steps started, all instances (what the live workers count)
         self.batched_items = 0  # requests those steps carried
+        # steps that started while requests waited for their first step (queued, or placed on an
+        # instance whose step still runs), the requests they carried, and the instances' maximum
+        # batches summed over them (how full batches are while work is waiting)
+        self._num_waiting = 0
+        self.queued_steps = 0
+        self.queued_items = 0
+        self.queued_max_items = 0
+        self.reconfiguration_instance_s = 0.0  # instance-seconds out of service for plans (start-up, drain)
+        self._draining_since: dict[str, float] = {}
         self._held: dict[str, StepCommand] = {}  # instance id -> the command held for the step after it
         self._versions: dict[str, int] = {}  # request id -> version of its stored state (emulated)
         self._num_outstanding = len(requests)
@@ -182,6 +191,7 @@ class Simulator:
 
     def _on_arrival(self, spec: RequestSpec) -> None:
         self._window_arrivals += 1
+        self._num_waiting += 1
         self.engine.admit(spec, self.cache_mode)
         prompt_len = self.engine.prompt_len(spec)
         self._versions[spec.request_id] = 1  # stored, as the live scheduler's create() does
@@ -281,6 +291,8 @@ class Simulator:
         for rejection in decisions.rejections:
             record = self.records[rejection.request_id]
             record.rejected = True
+            if record.first_step_s is None:
+                self._num_waiting -= 1
             record.finish_s = self.now
             self.engine.release(rejection.request_id)
             self._num_outstanding -= 1
@@ -293,6 +305,7 @@ class Simulator:
                 self._start(command)
             # a drop-only command frees a worker's copies; the engines track where caches are themselves
         for instance_id in decisions.removed_ids:
+            self.reconfiguration_instance_s += self.now - self._draining_since.pop(instance_id, self.now)
             self.cluster.release(instance_id)
             self._start_ready()
 
@@ -310,8 +323,17 @@ class Simulator:
         self._running[iid] = _Running(command, token, duration)
         self.batched_steps += 1
         self.batched_items += len(command.items)
-        for it in command.items:
+        if self._num_waiting > sum(self.records[it.request_id].first_step_s is None for it in command.items):
+            self.queued_steps += 1
+            self.queued_items += len(command.items)
+            self.queued_max_items += self.view.instances[iid].max_batch
+        for it, r in zip(command.items, requests, strict=True):
             record = self.records[it.request_id]
+            if record.first_step_s is None:
+                record.first_step_s = self.now
+                self._num_waiting -= 1
+            if it.load_state and r.holder_id not in (None, iid):
+                record.migration_s += self.cluster.migration_s(r.context_tokens)
             record.num_steps += 1
             record.threshold_sum += float(it.threshold)
             self._window_threshold[0] += float(it.threshold)
@@ -341,6 +363,7 @@ class Simulator:
                 for inst in node.stop:
                     iid = self.cluster.drain(inst)
                     if iid is not None:
+                        self._draining_since[iid] = self.now
                         self._carry_out(self.core.drain_instance(self.now, iid))
             self.cluster.plan_to_num_pending[plan_id] = len(starts)
             self.cluster.pending.extend(PendingStart(i, plan_id) for i in starts)
@@ -357,6 +380,7 @@ class Simulator:
         for pending in self.cluster.pending:
             if self.cluster.gpus_free(pending.instance):
                 self.cluster.reserve(pending.instance)
+                self.reconfiguration_instance_s += self.cluster.spec.startup_s
                 self.queue.push(self.now + self.cluster.spec.startup_s, SimEvent.INSTANCE_UP, pending)
             else:
                 still.append(pending)

@@ -60,7 +60,8 @@ def test_reconfiguration_moves_the_shape():
         PRESETS.get("paper-trace").quick(),
         workload=dataclasses.replace(PRESETS.get("paper-trace").workload, duration_s=40.0, period_s=40.0),
         cluster=dataclasses.replace(PRESETS.get("paper-trace").cluster, num_nodes=1, initial_tp=(1,) * 4,
-                                    reconfig_period_s=10.0, reconfig_window_s=10.0, startup_s=1.0),
+                                    reconfig_period_s=10.0, reconfig_window_s=10.0, startup_s=1.0,
+                                    reconfig_peak_windows=2),
         points=(dataclasses.replace(PRESETS.get("paper-trace").points[0], rate_mult=0.1),),
     )
     s = experiments.setup(preset, trace=make_trace(), prediction="fallback")
@@ -69,6 +70,8 @@ def test_reconfiguration_moves_the_shape():
     shapes = point["timeline"]["instances_by_tp"]
     assert shapes[0] == {"1": 4}
     assert any(shape != {"1": 4} for shape in shapes)  # a quiet start: fewer, larger instances
+    moves = [r for r in point["reconfigurations"] if r["applied"]]
+    assert moves and moves[0]["time_s"] >= 20.0  # once the monitor has watched its peak memory (2 x 10 s)
 
 
 def test_sim_has_no_copy_of_policy_logic():
