@@ -48,6 +48,7 @@ from services.predictor.training import ONE_SHOT, SERVED, evaluate, fit, predict
 MODELS = {"one_shot": ONE_SHOT, "progress": "progress", "progress_confidence": SERVED}
 BATCH_ROWS = (1, 64, 1024)
 PAPER_BUDGET_REQUESTS = 100
+LONG_FAMILY = "chain"  # shared.tasks.Family.CHAIN: the multi-block answers
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -156,10 +157,24 @@ def committed_model(model_dir: str, heldout: TraceSet) -> dict:
             "absolute_error": table["overall"]["mae"]}
 
 
-def acceptance(relative_error: dict, ratio: float, study: dict) -> dict:
-    pc, one_shot = relative_error["progress_confidence"], relative_error["one_shot"]
+def breakdown(tables: dict, key: str) -> dict:
+    """``{group: {model: relative error, ..., "num_rows": n}}`` from each model's error table (the
+    models' keys as in ``relative_error``)."""
+    groups = next(iter(tables.values())).get(key, {})
     return {
-        "progress_confidence_40pct_below_one_shot": pc <= 0.6 * one_shot,
+        group: {**{model: table[key][group]["mre"] for model, table in tables.items()},
+                "num_rows": groups[group]["num_rows"]}
+        for group in groups
+    }
+
+
+def acceptance(relative_error: dict, ratio: float, study: dict, by_family: dict) -> dict:
+    pc, one_shot = relative_error["progress_confidence"], relative_error["one_shot"]
+    long_family = by_family.get(LONG_FAMILY, {})
+    return {
+        "progress_confidence_at_most_half_one_shot": pc <= 0.5 * one_shot,
+        "long_family_at_most_half_one_shot": bool(long_family)
+        and long_family["progress_confidence"] <= 0.5 * long_family["one_shot"],
         "progress_confidence_below_progress": pc < relative_error["progress"],
         "per_row_cost_ratio_at_most_one_third": ratio <= 1 / 3,
         "granularity_within_5pct": study["relative_error_vs_per_step"] <= study["tolerance"] + 1e-12,
@@ -204,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "relative_error": relative_error,
         "absolute_error": {key: table["overall"]["mae"] for key, table in tables.items()},
+        "by_family": breakdown(tables, "by_family"),
+        "by_canvas": breakdown(tables, "by_canvas"),
+        "by_block_index": breakdown(tables, "by_block_index"),
         "reduction": {
             "progress_vs_one_shot": 1 - relative_error["progress"] / relative_error["one_shot"],
             "progress_confidence_vs_one_shot": 1 - relative_error["progress_confidence"] / relative_error["one_shot"],
@@ -219,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         "traces": {"train": trace_info(train), "heldout": trace_info(heldout)},
         "meta": {"cpus": os.cpu_count(), "bench_wall_s": time.perf_counter() - started},
     }
-    result["acceptance"] = acceptance(relative_error, ratio, study)
+    result["acceptance"] = acceptance(relative_error, ratio, study, result["by_family"])
     emit_json(rounded(result), args.json)
     return 0
 

@@ -185,6 +185,7 @@ class TraceSet:
     remaining_recompute: np.ndarray
     remaining_cache: np.ndarray
     seeds: tuple[int, ...] = ()
+    families: list[str] = field(default_factory=list)  # per row: the task family (for error breakdowns)
 
     def __len__(self) -> int:
         return len(self.request_ids)
@@ -206,7 +207,7 @@ class TraceSet:
         return TraceSet(
             self.path, [self.request_ids[i] for i in index], self.steps[index], self.switched[index],
             self.features[index], self.remaining_steps[index], self.remaining_recompute[index],
-            self.remaining_cache[index], self.seeds,
+            self.remaining_cache[index], self.seeds, [self.families[i] for i in index] if self.families else [],
         )
 
     def first_requests(self, count: int) -> TraceSet:
@@ -300,4 +301,5 @@ def _assemble(path: Path, records: list[dict]) -> TraceSet:
         column("remaining_recompute"),
         column("remaining_cache"),
         tuple(sorted({int(r["seed"]) for r in records})),
+        [r["family"] for r in records],
     )

@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from services.predictor.core.evaluation import aged_one_shot, error_table
+from services.predictor.core.evaluation import aged_one_shot, error_table, grouped_errors
 from services.predictor.core.model import StepModel
 from services.predictor.core.training import TrainingError, TrainParams, train_step_model
 from services.predictor.traces import TraceSet
-from shared.features import arrival_features
+from shared.features import FEATURE_NAMES, arrival_features
 
 ONE_SHOT = "arrival"
 SERVED = "progress_confidence"
+OUTPUT_LENGTH, BLOCK_INDEX = FEATURE_NAMES.index("output_length"), FEATURE_NAMES.index("block_index")
 
 
 def fit(traces: TraceSet, feature_set: str = SERVED, params: TrainParams | None = None) -> StepModel:
@@ -58,5 +59,10 @@ def evaluate(model: StepModel, traces: TraceSet) -> dict:
                                         traces.thresholds[switched])["overall"]
     gap = np.abs(recompute - traces.remaining_recompute)
     table["recompute_mae"] = float(gap.mean())
+    # where the error is: per task family, per canvas (output length), per block index decoded last
+    if traces.families:
+        table["by_family"] = grouped_errors(total, traces.remaining_steps, traces.families)
+    table["by_canvas"] = grouped_errors(total, traces.remaining_steps, traces.features[:, OUTPUT_LENGTH])
+    table["by_block_index"] = grouped_errors(total, traces.remaining_steps, traces.features[:, BLOCK_INDEX])
     table["traces"] = traces.path
     return table

@@ -38,6 +38,16 @@ def error_table(predicted: np.ndarray, actual: np.ndarray, thresholds: np.ndarra
     return {"overall": errors(predicted, actual), "by_threshold": by_threshold}
 
 
+def grouped_errors(predicted: np.ndarray, actual: np.ndarray, groups: Sequence) -> dict:
+    """``errors`` per group value (keys as strings, integral floats without a decimal point)."""
+    groups = np.asarray(groups)
+    out = {}
+    for value in sorted(set(groups.tolist())):
+        key = f"{value:g}" if isinstance(value, float) else str(value)
+        out[key] = errors(predicted[groups == value], actual[groups == value])
+    return out
+
+
 def aged_one_shot(arrival_total: np.ndarray, num_steps_done: np.ndarray) -> np.ndarray:
     """The arrival estimate turned into a remaining count after some steps (at least one step)."""
     return np.maximum(np.asarray(arrival_total, dtype=float) - np.asarray(num_steps_done, dtype=float), 1.0)

@@ -16,8 +16,12 @@ from shared.features import FEATURE_SETS, NUM_FEATURES, THRESHOLD_INDEX
 class TrainParams:
     """LightGBM settings sized for a few thousand rows (about 100 requests and more).
 
-    Errors are judged relative, so the boosters fit the median of log(1 + steps) (L1 on the log):
-    on the bundled model's traces that beats L2 on log steps by a third for the progress model.
+    Errors are judged relative (``|predicted - actual| / actual``, averaged over rows), so the
+    boosters fit L1 on log(1 + steps) with each row weighted by 1 / its remaining steps
+    (``relative_weights``): the weighted median is exactly what minimises the mean relative error.
+    Unweighted, the median over-predicts a request's last few steps, where one step too many is a
+    relative error of 100%; on the bundled model's held-out traces the weights took the progress
+    plus confidence model from 1.29 to 0.56 (the aged one-shot estimate: 0.81).
     LightGBM cannot combine L1 with a monotone constraint; predictions are made monotone in the
     threshold afterwards (``InProcessPredictor``), which the load controller relies on.
     """
@@ -30,6 +34,7 @@ class TrainParams:
     objective: str = "l1"
     target_transform: str = TargetTransform.LOG1P
     monotone_in_threshold: bool = False  # a LightGBM constraint; only for objectives that allow it (l2)
+    relative_weights: bool = True  # weight each row by 1 / its label (the mean relative error's optimum)
     seed: int = 0
 
     def lightgbm_params(self, num_features: int) -> dict:
@@ -51,9 +56,11 @@ class TrainParams:
 
 
 def default_params(feature_set: str) -> TrainParams:
-    """The arrival (one-shot) model sees one row per request and four features: keep it small."""
+    """The arrival (one-shot) model sees one row per request and four features: keep it small. It
+    predicts a request's total steps, which the one-shot estimate then ages step by step, so it is
+    fitted unweighted (the median total)."""
     if feature_set == "arrival":
-        return TrainParams(num_leaves=4, min_data_in_leaf=20)
+        return TrainParams(num_leaves=4, min_data_in_leaf=20, relative_weights=False)
     return TrainParams()
 
 
@@ -77,13 +84,21 @@ def train_step_model(
         lgb.train(
             lgb_params,
             lgb.Dataset(columns, TargetTransform.forward(params.target_transform, np.asarray(y, dtype=float)),
-                        feature_name=list(FEATURE_SETS[feature_set]), free_raw_data=False),
+                        weight=_weights(y, params), feature_name=list(FEATURE_SETS[feature_set]),
+                        free_raw_data=False),
             num_boost_round=params.num_rounds,
         )
         for y in (remaining_steps, remaining_recompute)
     ]
     info = {**(card or {}), "params": dataclasses.asdict(params), "num_rows": int(len(columns))}
     return StepModel(feature_set, boosters[0], boosters[1], params.target_transform, info)
+
+
+def _weights(labels, params: TrainParams) -> np.ndarray | None:
+    """1 / label per row (labels of 0, recompute steps that no longer come, weigh as 1)."""
+    if not params.relative_weights:
+        return None
+    return 1.0 / np.maximum(np.asarray(labels, dtype=float), 1.0)
 
 
 def _check(rows, remaining_steps, remaining_recompute, feature_set: str) -> np.ndarray:
