@@ -1,7 +1,8 @@
 #!/bin/bash
 # Everything the bundled model ships with, measured from its weights (run from the repository root
 # after `dls train-model` has written models/dls-tiny): the engine benchmark, the model card and the
-# quality curves, the step predictor's traces and models, its benchmark, and the CPU step profile.
+# quality curves, the step predictor's traces and models, its benchmark, the CPU step profile and the
+# simulator's replay traces.
 # About an hour on a 2-core CPU; progress goes to stderr.
 set -euo pipefail
 MODEL=${MODEL:-models/dls-tiny}
@@ -21,3 +22,10 @@ $PY -m bench.predictor --model "$MODEL" --traces-dir data/predictor --json docs/
 # 5. the CPU step-latency profile (context: a 5-shot prompt plus the default canvas); it depends on the
 #    architecture, not on the weights, so a retrained model of the same shape keeps the committed one
 $DLS profile --model "$MODEL" --context-tokens 192 --output profiles/dls-tiny-cpu.json
+# 6. the simulator's replay traces of the presets' shapes (recorded by their first run, minutes each),
+#    shipped gzipped beside the weights so that a clean checkout's benchmarks load them
+KEY=$($PY -c "from sim.engines import model_key; print(model_key('$MODEL'))")
+rm -f "$MODEL"/replay/*.json.gz
+for P in paper-bench paper-trace paper-bench-long; do $DLS sim --preset $P --quick --policy infaas > /dev/null; done
+mkdir -p "$MODEL/replay"
+for f in runs/sim/replay/trace-v5-"$KEY"-*.json; do gzip -9 -n -c "$f" > "$MODEL/replay/$(basename "$f").gz"; done

@@ -18,6 +18,7 @@ gets a recompute step, as in the real worker.
 from __future__ import annotations
 
 import bisect
+import gzip
 import hashlib
 import json
 import statistics
@@ -35,6 +36,7 @@ from sim.workload import RequestSpec
 
 DEFAULT_MODEL_DIR = "models/dls-tiny"
 DEFAULT_TRACE_DIR = "runs/sim/replay"
+SHIPPED_TRACE_DIR = "replay"  # inside the model directory: the presets' traces, committed with the weights
 CALIBRATION_THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
 
 
@@ -264,11 +266,19 @@ def calibrate(
     Problems: held-out split, ``families`` in turn, ``num_shots`` few-shot examples (None: 0-8 in
     turn), a seed no workload uses; decoded on a canvas of ``gen_len`` in blocks of ``block_len``
     (None: the model's defaults), as served (early stop at EOS, dual cache).
+
+    A trace shipped with the model (``<model>/replay/*.json.gz``, named by the weights' digest, so it is
+    never read for other weights) is loaded first: the presets' traces are committed there so that a
+    clean checkout's benchmarks (``make bench-guard``) need not record them (minutes each).
     """
     key = model_key(model_dir)
     shots = "mix" if num_shots is None else str(num_shots)
     shape = f"{gen_len or 'default'}x{block_len or 'default'}-{'+'.join(f.value for f in families)}"
-    path = (Path(trace_dir) / f"trace-v5-{key}-{num_problems}-{seed}-{shots}-{shape}.json") if trace_dir else None
+    name = f"trace-v5-{key}-{num_problems}-{seed}-{shots}-{shape}.json"
+    shipped = Path(model_dir) / SHIPPED_TRACE_DIR / f"{name}.gz"
+    if shipped.exists():
+        return ReplayTrace.from_json(json.loads(gzip.decompress(shipped.read_bytes())))
+    path = (Path(trace_dir) / name) if trace_dir else None
     if path is not None and path.exists():
         return ReplayTrace.from_json(json.loads(path.read_text()))
     trace = _record(model_dir, key, num_problems, thresholds, seed, num_shots, gen_len, block_len, families)

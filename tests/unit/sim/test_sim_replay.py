@@ -57,3 +57,23 @@ def test_correctness_follows_the_thresholds_used():
         results.append(engine.correct(f"r{i}"))
         engine.release(f"r{i}")
     assert 0.35 < np.mean(results) < 0.65  # accuracy 0.5 at threshold 0.5
+
+
+def test_a_trace_shipped_with_the_model_is_loaded_instead_of_recorded(tmp_path):
+    """``calibrate`` reads ``<model>/replay/<name>.json.gz`` before its cache directory and never
+    records when it is there (the name carries the weights' digest, so other weights never read it)."""
+    import gzip
+    import json
+
+    from sim.engines import SHIPPED_TRACE_DIR, calibrate, model_key
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"fake": "weights for the digest only"}')
+    shipped = make_trace()
+    name = f"trace-v5-{model_key(model)}-192-12345-mix-16x8-add+words.json"
+    (model / SHIPPED_TRACE_DIR).mkdir()
+    (model / SHIPPED_TRACE_DIR / f"{name}.gz").write_bytes(gzip.compress(json.dumps(shipped.to_json()).encode()))
+    loaded = calibrate(model, trace_dir=tmp_path / "cache", gen_len=16, block_len=8)
+    assert loaded.to_json() == shipped.to_json()
+    assert not (tmp_path / "cache").exists()  # nothing recorded, nothing cached
