@@ -21,6 +21,9 @@ TRACE_RUNS = (  # (JSON name, short name, what it replays): paper-trace --quick 
     ("paper-trace-azure-quick", "Azure slice",
      "`tests/data/AzureLLMInferenceTrace_conv_first10min.csv`, the first 10 minutes of the Azure LLM inference "
      "conversation trace (2,867 requests, native 4.78 req/s, a nearly steady rate)"),
+    ("paper-trace-azure-code-quick", "Azure code slice",
+     "`tests/data/AzureLLMInferenceTrace_code_first10min.csv`, the first 10 minutes of the same trace's code "
+     "service (1,482 requests, native 2.53 req/s, in bursts with quiet spells between: long prompts, short answers)"),
 )
 BASELINES = ("infaas", "llumnix")
 

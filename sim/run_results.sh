@@ -6,6 +6,7 @@ D=runs/sim
 nice -n 10 .venv/bin/dls compare --preset paper-trace --quick --json $D/paper-trace-quick.json --plot $D/paper-trace-quick.png > $D/paper-trace-quick.txt 2>&1
 nice -n 10 .venv/bin/dls compare --preset paper-trace --quick --trace tests/data/burstgpt_sample.csv --json $D/paper-trace-burstgpt-quick.json > $D/paper-trace-burstgpt-quick.txt 2>&1
 nice -n 10 .venv/bin/dls compare --preset paper-trace --quick --trace tests/data/AzureLLMInferenceTrace_conv_first10min.csv --json $D/paper-trace-azure-quick.json --plot $D/paper-trace-azure-quick.png > $D/paper-trace-azure-quick.txt 2>&1
+nice -n 10 .venv/bin/dls compare --preset paper-trace --quick --trace tests/data/AzureLLMInferenceTrace_code_first10min.csv --json $D/paper-trace-azure-code-quick.json > $D/paper-trace-azure-code-quick.txt 2>&1
 for P in paper-bench-long ablation-threshold-long ablation-predictor-long; do
   nice -n 10 .venv/bin/dls compare --preset $P --quick --json $D/$P-quick.json --plot $D/$P-quick.png > $D/$P-quick.txt 2>&1
 done
