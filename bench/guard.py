@@ -25,10 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.common import emit_json
+from sim.results_doc import BASELINES
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FLOORS_FILE = REPO_ROOT / "bench" / "floors.toml"
-BASELINES = ("infaas", "llumnix")
 TOP_POINT = "2.0x"  # the paper-bench presets' high-load point
 CODE_TRACE = "tests/data/AzureLLMInferenceTrace_code_first10min.csv"
 CONV_TRACE = "tests/data/AzureLLMInferenceTrace_conv_first10min.csv"
@@ -107,9 +107,8 @@ def _predictor_figures(result: dict) -> dict[str, float]:
 
 
 def runs(out_dir: Path) -> list[Run]:
-    """The runs in two lanes of about equal length on a clean checkout, where each preset first
-    records its replay trace (a few minutes, then cached under runs/sim/replay); both Azure runs
-    share one trace, so they share a lane."""
+    """The runs in two lanes of about equal length (the replay traces ship with the model, so none
+    is recorded; both Azure runs use one trace, and share a lane)."""
     return [
         Run("paper-bench-long", _compare("paper-bench-long", "--policies", "dilaserve,infaas,llumnix"),
             _bench_figures("paper_bench_long"), lane=0),
