@@ -19,7 +19,8 @@ Names (``docs/architecture.md``, "Observability"):
   (``|predicted - actual| / actual`` remaining steps, at finish), ``dls_malformed_messages_total``;
 - worker (label ``instance``): ``dls_worker_steps_total`` (batched forwards), ``dls_worker_batch_size``,
   ``dls_worker_step_seconds``, ``dls_worker_tokens_committed_total``, ``dls_worker_state_loads_total``,
-  ``dls_worker_resident_requests``, ``dls_malformed_messages_total``;
+  ``dls_worker_resident_requests``, ``dls_worker_kv_used_bytes``, ``dls_worker_kv_refused_total``,
+  ``dls_malformed_messages_total``;
 - serving (vLLM's set, label ``model_name``; ``docs/architecture.md`` maps each to its vLLM name):
   scheduler ``dls_time_to_first_token_seconds``, ``dls_inter_token_latency_seconds``,
   ``dls_request_time_per_output_token_seconds``, ``dls_e2e_request_latency_seconds``,
@@ -191,6 +192,8 @@ class SchedulerMetrics:
                                    buckets=THRESHOLD_BUCKETS, registry=r)
         self.migrations = Counter("dls_scheduler_migrations", "steps placed on another instance than the last",
                                   registry=r)
+        self.preemptions = Counter("dls_scheduler_preemptions", "requests that yielded their KV memory (back to the "
+                                   "queue, resumed from their stored state)", registry=r)
         self.instances = Gauge("dls_scheduler_instances", "live instances per TP degree", ["tp"], registry=r)
         self.predictor_error = Histogram(
             "dls_scheduler_predictor_error", "|predicted - actual| / actual remaining steps, measured at finish",
@@ -255,6 +258,11 @@ class WorkerMetrics:
                              labels, registry=r).labels(instance_id)
         self.resident = Gauge("dls_worker_resident_requests", "requests whose local copy it holds", labels,
                               registry=r).labels(instance_id)
+        self.kv_used = Gauge("dls_worker_kv_used_bytes", "KV cache bytes in pages its requests hold (per GPU)", labels,
+                             registry=r).labels(instance_id)
+        self.kv_refused = Counter("dls_worker_kv_refused", "request-steps refused because their KV cache would not "
+                                  "fit the budget (back to the scheduler's queue)", labels,
+                                  registry=r).labels(instance_id)
         self.malformed = _malformed(r)
 
 

@@ -67,10 +67,19 @@ class LatencyProfile:
     # tp degree -> step kind -> curve
     curves: dict[int, dict[str, _Curve]] = field(repr=False)
     notes: str = ""
+    kv_bytes_per_token: int = 0  # KV cache of one context token, every layer and head (0: not known)
 
     @property
     def tp_degrees(self) -> tuple[int, ...]:
         return tuple(sorted(self.curves))
+
+    def kv_tokens(self, tp: int, budget_bytes_per_gpu: int) -> int | None:
+        """Context tokens a TP-``tp`` instance's KV caches hold when each of its GPUs gives them
+        ``budget_bytes_per_gpu`` (the heads are split over the GPUs: TP-2 holds twice TP-1's); None
+        when the profile does not know its model's KV bytes per token."""
+        if not self.kv_bytes_per_token:
+            return None
+        return tp * budget_bytes_per_gpu // self.kv_bytes_per_token
 
     def max_batch(self, tp: int) -> int:
         return self._curve(tp, "recompute_ms").batch_sizes[-1]
@@ -165,6 +174,7 @@ class LatencyProfile:
             block_length=int(data.get("block_length", 0)),
             curves=curves,
             notes=str(data.get("notes", "")),
+            kv_bytes_per_token=int(data.get("kv_bytes_per_token", 0)),
         )
 
     @classmethod

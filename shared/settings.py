@@ -194,6 +194,12 @@ class WorkerSettings(ServiceSettings):
     model_dir: str = _own("worker", "model_dir", "models/dls-tiny", "model directory (bundled, LLaDA or Dream)")
     device: str = _own("worker", "device", "cpu", "torch device")
     max_batch: int = _own("worker", "max_batch", 16, "most requests one step carries", gt=0)
+    kv_budget_bytes: int = _own("worker", "kv_budget_bytes", 0,
+                                "bytes the KV cache pool may take per GPU; 0: on CUDA, kv_memory_fraction of the "
+                                "GPU memory free once the model is loaded; elsewhere no cap", ge=0)
+    kv_memory_fraction: float = _own("worker", "kv_memory_fraction", 0.9,
+                                     "on CUDA without kv_budget_bytes: the share of free GPU memory the KV pool may "
+                                     "take", gt=0, le=1)
     heartbeat_interval_s: float = _own("worker", "heartbeat_interval_s", 2.0, "period of heartbeats", gt=0)
     lease_ttl_s: float = _own("worker", "lease_ttl_s", 6.0, "the scheduler drops the instance after this silence",
                               gt=0)
@@ -242,6 +248,9 @@ class ReconfiguratorSettings(ServiceSettings):
     improvement_margin: float = _own("reconfigurator", "improvement_margin", 0.1,
                                      "apply a plan only when Stage 1 improves by this fraction", ge=0)
     solver_time_limit_s: float = _own("reconfigurator", "solver_time_limit_s", 30.0, "HiGHS time limit", gt=0)
+    kv_budget_bytes: int = _own("reconfigurator", "kv_budget_bytes", 0,
+                                "KV cache memory per GPU the plans count (as DLS_WORKER_KV_BUDGET_BYTES; a degree-d "
+                                "instance holds d times it); 0: plans are not limited by memory", ge=0)
     window_s: float = _own("reconfigurator", "window_s", 300.0, "arrival rates are measured over this sliding window",
                            gt=0)
     peak_windows: int | None = _own("reconfigurator", "peak_windows", None,

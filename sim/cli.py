@@ -59,6 +59,10 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--control-plane-ms", type=float, default=0.0, metavar="MS",
                         help="add MS to every step: a live stack's control-plane time per step, as `dls loadgen "
                              "--timelines` measures it (default 0: a GPU cluster's profile alone)")
+    parser.add_argument("--kv-budget-mib", type=float, default=None, metavar="MIB",
+                        help="KV cache memory per GPU: each instance holds tp x MIB / the profile's "
+                             "kv_bytes_per_token context tokens, and placement, admission and preemption keep to "
+                             "it (default: no budget). compare also runs every policy without it, for the report")
     parser.add_argument("--overlap-min-tokens", type=int, default=None, metavar="N",
                         help="overlap continues requests with at least N tokens to go (default: the live "
                              "scheduler's, 32)")
@@ -84,10 +88,25 @@ def _setup(args):
         raise CliError("--time-scale: scales a --trace; give one")
     if args.quality_budget is not None:
         preset = dataclasses.replace(preset, quality_budget_pp=_budget(args.quality_budget))
+    if getattr(args, "kv_budget_mib", None) is not None:
+        if not (args.kv_budget_mib > 0 and math.isfinite(args.kv_budget_mib)):
+            raise CliError(f"--kv-budget-mib: must be positive, got {args.kv_budget_mib}")
+        cluster = dataclasses.replace(preset.cluster, kv_budget_bytes=int(args.kv_budget_mib * 2**20))
+        preset = dataclasses.replace(preset, cluster=cluster)
     if args.prediction not in PREDICTION_SOURCES:
         raise CliError(f"--prediction: unknown source {args.prediction!r}; known: {', '.join(PREDICTION_SOURCES)}")
     if not Path(args.profile).exists():
         raise CliError(f"--profile: file not found: {args.profile}")
+    if preset.cluster.kv_budget_bytes:
+        from shared.profiles import LatencyProfile
+
+        profile = LatencyProfile.load(args.profile)
+        if not profile.kv_bytes_per_token:
+            raise CliError(f"--kv-budget-mib: {args.profile} has no kv_bytes_per_token")
+        smallest = min(profile.kv_tokens(tp, preset.cluster.kv_budget_bytes) for tp in preset.cluster.tp_degrees)
+        if smallest < 1:
+            raise CliError(f"--kv-budget-mib: {args.kv_budget_mib:g} MiB holds no token of KV cache at "
+                           f"{profile.kv_bytes_per_token} bytes per token")
     if not Path(args.model).is_dir():
         raise CliError(f"--model: not a directory: {args.model}")
     if not (args.control_plane_ms >= 0 and math.isfinite(args.control_plane_ms)):
@@ -198,6 +217,12 @@ def cmd_compare(args) -> int:
     if args.no_fidelity:
         s.preset = dataclasses.replace(s.preset, fidelity_policies=())
     result = experiments.compare(s, labels, args.engine, args.seed, _progress)
+    if s.preset.cluster.kv_budget_bytes:  # the same runs without the budget, beside them
+        s.preset = dataclasses.replace(s.preset, cluster=dataclasses.replace(s.preset.cluster, kv_budget_bytes=0),
+                                       fidelity_policies=())
+        unbounded = experiments.compare(s, labels, args.engine, args.seed, _progress)
+        for label, entry in unbounded["policies"].items():
+            result["policies"][f"{label} (no KV budget)"] = entry
     _write(args.json, result)
     print_table(result)
     if args.plot:
@@ -234,12 +259,20 @@ def print_table(result: dict) -> None:
     if trace:
         print(f"trace {trace['path']} ({trace['layout']}, {trace['num_requests']} requests): rps = the replayed "
               f"mean rate = native x scale")
+    kv = setup.get("kv_budget")
+    if kv:
+        held = ", ".join(f"TP-{tp} {tokens}" for tp, tokens in kv["tokens_by_tp"].items())
+        print(f"KV budget {kv['bytes_per_gpu'] / 2**20:g} MiB per GPU: tokens held per instance {held}")
     extra = f" {'native':>8} {'scale':>8}" if trace else ""
-    print(f"{'policy':<24} {'point':>12} {'rps':>9}{extra} {'SLO %':>7} {'acc %':>7} {'mean s':>8} {'p99 s':>8} {'tau':>6}")
+    extra += f" {'preempt':>8}" if kv else ""
+    width = max([24, *(len(label) for label in result["policies"])])
+    print(f"{'policy':<{width}} {'point':>12} {'rps':>9}{extra} {'SLO %':>7} {'acc %':>7} {'mean s':>8} {'p99 s':>8} "
+          f"{'tau':>6}")
     for label, entry in result["policies"].items():
         for p in entry["points"]:
             extra = f" {p['trace_native_rps']:8.3f} {p['scale']:8.4g}" if trace else ""
-            print(f"{label:<24} {p['label']:>12} {p['rps']:9.2f}{extra} {100 * p['slo_attainment']:7.1f} "
+            extra += f" {p.get('num_preemptions', 0):8d}" if kv else ""
+            print(f"{label:<{width}} {p['label']:>12} {p['rps']:9.2f}{extra} {100 * p['slo_attainment']:7.1f} "
                   f"{100 * p['accuracy']:7.1f} {p['mean_latency_s']:8.3f} {p['p99_latency_s']:8.3f} "
                   f"{p['mean_threshold']:6.3f}")
     fid = result.get("fidelity")

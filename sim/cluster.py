@@ -32,10 +32,22 @@ class ClusterSpec:
     rolling: bool = True  # apply a plan node by node (``PlacementPlan.waves``); False: every node at once
     migration_base_s: float = 0.002  # per migration: stop-and-copy of token state (tens of KB)
     migration_s_per_token: float = 1e-6
+    # KV memory per GPU for caches (0: each instance's default, max batch x the profile's context);
+    # an instance holds tp * kv_budget_bytes / the profile's kv_bytes_per_token context tokens
+    kv_budget_bytes: int = 0
 
     @property
     def num_gpus(self) -> int:
         return self.num_nodes * self.gpus_per_node
+
+    def kv_tokens(self, profile: LatencyProfile, tp: int) -> int | None:
+        """A TP-``tp`` instance's KV memory in context tokens under ``kv_budget_bytes`` (None: no budget)."""
+        if not self.kv_budget_bytes:
+            return None
+        tokens = profile.kv_tokens(tp, self.kv_budget_bytes)
+        if tokens is None:
+            raise ValueError(f"a KV budget needs the profile's kv_bytes_per_token; {profile.model} has none")
+        return tokens
 
     def node_names(self) -> list[str]:
         return [f"node-{i}" for i in range(self.num_nodes)]
@@ -89,7 +101,8 @@ class SimCluster:
         """Register an instance immediately (initial placement, or after its start-up)."""
         self.num_started += 1
         iid = f"{instance.node}/g{instance.gpu_ids[0]}-{instance.gpu_ids[-1]}#{self.num_started}"
-        self.view.add_instance(iid, instance.tp, self.profile, node_id=instance.node, max_batch=self.spec.max_batch)
+        self.view.add_instance(iid, instance.tp, self.profile, node_id=instance.node, max_batch=self.spec.max_batch,
+                               mem_limit_tokens=self.spec.kv_tokens(self.profile, instance.tp))
         self.id_to_instance[iid] = instance
         for gpu in instance.gpu_ids:
             self.gpu_to_owner[(instance.node, gpu)] = iid

@@ -79,6 +79,11 @@ class SimEngine(Protocol):
 
     def release(self, request_id: str) -> None: ...
 
+    def drop_cache(self, request_id: str, instance_id: str) -> None:
+        """``instance_id`` drops the request's KV cache if it holds it (a drop command: the request moved
+        or yielded its memory); its next step there is a recompute."""
+        ...
+
 
 def _char_tokenizer(model_dir: str | Path):
     from shared.tokenizer import CharTokenizer
@@ -172,6 +177,11 @@ class ModelEngine:
         self._engine.drop(request_id)
         self._states.pop(request_id, None)
         self._specs.pop(request_id, None)
+
+    def drop_cache(self, request_id: str, instance_id: str) -> None:
+        if self._cache_on.get(request_id) == instance_id:
+            del self._cache_on[request_id]
+            self._engine.drop(request_id)
 
 
 # --- replay ------------------------------------------------------------------------------------
@@ -563,6 +573,10 @@ class ReplayEngine:
         self._states.pop(request_id, None)
         self._cache_on.pop(request_id, None)
         self._cache_mode.pop(request_id, None)
+
+    def drop_cache(self, request_id: str, instance_id: str) -> None:
+        if self._cache_on.get(request_id) == instance_id:
+            del self._cache_on[request_id]
 
 
 # name -> factory(trace, rng, model_dir)

@@ -142,7 +142,16 @@ class Setup:
             "prediction_source": self.prediction,
             "prediction_source_used": type(self.predictor()).__name__,
             "trace": self.trace_description(),
+            "kv_budget": self.kv_description(),
         }
+
+    def kv_description(self) -> dict | None:
+        """The KV memory budget per GPU and what each TP degree holds under it (None: no budget)."""
+        cluster = self.preset.cluster
+        if not cluster.kv_budget_bytes:
+            return None
+        return {"bytes_per_gpu": cluster.kv_budget_bytes, "kv_bytes_per_token": self.profile.kv_bytes_per_token,
+                "tokens_by_tp": {str(tp): cluster.kv_tokens(self.profile, tp) for tp in cluster.tp_degrees}}
 
     def trace_description(self) -> dict | None:
         """The replayed trace file (None for a built-in arrival process)."""
@@ -297,7 +306,8 @@ def _reconfigurator(setup_: Setup, clock: VirtualClock) -> Reconfigurator:
         **({} if spec.reconfig_peak_windows is None else {"peak_windows": spec.reconfig_peak_windows}),
     )
     solver = SolverOptions(time_limit_s=5.0, threads=1)
-    options = PlannerOptions(stage1=Stage1Options(solver=solver), stage2=Stage2Options())
+    options = PlannerOptions(stage1=Stage1Options(solver=solver, kv_budget_bytes=setup_.preset.cluster.kv_budget_bytes),
+                             stage2=Stage2Options())
     return Reconfigurator(setup_.profile, clock, settings, options)
 
 

@@ -21,6 +21,7 @@ class SimRequestRecord:
     correct: bool = False
     num_steps: int = 0
     num_migrations: int = 0
+    num_preemptions: int = 0  # times it yielded its KV memory
     threshold_sum: float = 0.0  # sum over steps of the step's threshold
     first_step_s: float | None = None  # when its first step started
     migration_s: float = 0.0  # time its steps spent loading its state after a move
@@ -72,6 +73,7 @@ def summarize(records: list[SimRequestRecord]) -> dict:
         "mean_steps": steps / n if n else math.nan,
         "mean_threshold": sum(r.threshold_sum for r in records) / steps if steps else math.nan,
         "num_migrations": sum(r.num_migrations for r in records),
+        "num_preemptions": sum(r.num_preemptions for r in records),
         **({"slo_attainment_by_class": _by_class(records, classes)} if len(classes) > 1 else {}),
     }
 

@@ -298,12 +298,15 @@ class Simulator:
             self._num_outstanding -= 1
         for migration in decisions.migrations:
             self.records[migration.request_id].num_migrations += 1
+        for preemption in decisions.preemptions:
+            self.records[preemption.request_id].num_preemptions += 1
         for command in decisions.commands:
+            for rid in command.drop_request_ids:  # before its steps, as a worker drops them
+                self.engine.drop_cache(rid, command.instance_id)
             if command.after_step_id:
                 self._held[command.instance_id] = command  # a later one replaces it, as on a worker
             elif command.items:
                 self._start(command)
-            # a drop-only command frees a worker's copies; the engines track where caches are themselves
         for instance_id in decisions.removed_ids:
             self.reconfiguration_instance_s += self.now - self._draining_since.pop(instance_id, self.now)
             self.cluster.release(instance_id)

@@ -45,6 +45,7 @@ def anchored(profile: LatencyProfile, context_tokens: float, time_scale: float =
         "measured": profile.measured,
         "context_tokens": max(1, int(round(context_tokens))),
         "block_length": profile.block_length,
+        "kv_bytes_per_token": profile.kv_bytes_per_token,
         "notes": f"{profile.notes} [sim: anchored at {context_tokens:.0f} tokens, time x{time_scale:.4g}]",
         "tp": {
             str(tp): {

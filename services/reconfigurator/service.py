@@ -186,7 +186,8 @@ class ReconfiguratorService:
             profile, clock,
             MonitorSettings(window_s=settings.window_s, min_window_s=min(10.0, settings.window_s),
                             **({} if settings.peak_windows is None else {"peak_windows": settings.peak_windows})),
-            PlannerOptions(stage1=Stage1Options(solver=SolverOptions(time_limit_s=settings.solver_time_limit_s)),
+            PlannerOptions(stage1=Stage1Options(solver=SolverOptions(time_limit_s=settings.solver_time_limit_s),
+                                                kv_budget_bytes=settings.kv_budget_bytes),
                            stage2=self.stage2),
             margin=settings.improvement_margin, ack_timeout_s=settings.ack_timeout_s, plan_ids=self.plan_ids,
         )

@@ -60,7 +60,7 @@ from shared.messages.control import Arrival, WorkerHeartbeat, WorkerStatus, Work
 from shared.messages.events import FailureReason, RequestAccepted, RequestFailed
 from shared.messages.intake import CancelRequest, CompletionRequest
 from shared.messages.predictor import PredictionQuery, PredictReply, PredictRequest
-from shared.messages.steps import StepCommand, StepResults
+from shared.messages.steps import FailureKind, StepCommand, StepResults
 from shared.metrics import SchedulerMetrics, predictor_error, serve_metrics
 from shared.profiles import LatencyProfile, ProfileError
 from shared.retry import retry_transient
@@ -448,8 +448,13 @@ class SchedulerService:
             return
         self.instances[beat.instance_id] = beat
         logger.info("instance %s joined (tp %d, node %s)", beat.instance_id, beat.tp, beat.node)
+        memory = beat.kv.capacity_tokens if beat.kv is not None and beat.kv.capacity_tokens > 0 else None
+        if memory is not None:
+            logger.info("instance %s holds %d KV tokens (%d bytes per GPU)", beat.instance_id, memory,
+                        beat.kv.budget_bytes)
         self._carry_out(self.core.add_instance(now, beat.instance_id, beat.tp, profile, node_id=beat.node,
-                                               max_batch=min(beat.max_batch, profile.max_batch(beat.tp))))
+                                               max_batch=min(beat.max_batch, profile.max_batch(beat.tp)),
+                                               mem_limit_tokens=memory))
 
     def _profile(self, beat: WorkerHeartbeat) -> LatencyProfile | None:
         for path in (beat.profile, self.settings.profile):
@@ -512,6 +517,11 @@ class SchedulerService:
         for migration in decisions.migrations:
             self.metrics.migrations.inc()
             self._trace_migration(migration)
+        for preemption in decisions.preemptions:
+            self.metrics.preemptions.inc()
+            logger.info("request %s on %s yields its KV memory%s", preemption.request_id, preemption.instance_id or "?",
+                        f" to {preemption.for_request_id}" if preemption.for_request_id else " (its worker's budget "
+                        "refused its step)")
         for command in decisions.commands:
             self._publish_command(command)
         for request_id in decisions.reload_ids:
@@ -626,7 +636,8 @@ class SchedulerService:
                         r.kind == StepKind.RECOMPUTE, state_version=r.state_version, confidence=r.confidence.as_tuple)
             for r in results.results)
         return BatchOutcome(results.instance_id, outcomes, results.duration_s, step_id=results.step_id,
-                            failed_ids=tuple(f.request_id for f in results.failures),
+                            failed_ids=tuple(f.request_id for f in results.failures if f.kind != FailureKind.KV_FULL),
+                            kv_full_ids=tuple(f.request_id for f in results.failures if f.kind == FailureKind.KV_FULL),
                             continued_step_id=results.continued_step_id)
 
     def _observe_results(self, results: StepResults, now: float) -> None:

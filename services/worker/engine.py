@@ -45,6 +45,13 @@ for ``prefix``); a cache step overwrites its fresh window's slots with the fresh
 then attends to the request's whole cache where it lies (attention over keys is order-free once RoPE
 is applied at absolute positions, so that is the stale prefix and suffix plus the fresh window).
 Nothing is gathered; :attr:`DLMEngine.last_step_traffic` reports the bytes each step copied and wrote.
+
+KV memory (``kv_budget_bytes``): the pool never takes more than its budget. A request holds
+``ceil((prompt + canvas) / page_size)`` pages from its first recompute step until it finishes or is
+dropped (no cache: none). :meth:`DLMEngine.kv_overflow` tells which requests of a batch would not
+fit (the worker fails those, typed, and steps the rest); :meth:`DLMEngine.step` itself refuses a
+batch that would overflow with :class:`KVBudgetExceeded` before anything changes.
+:meth:`DLMEngine.kv_memory` is what heartbeats report.
 """
 
 from __future__ import annotations
@@ -64,6 +71,7 @@ from services.worker.attention import (
     Segments,
     resolve_backend,
 )
+from services.worker.kv_cache import KVBudgetExceeded as KVBudgetExceeded  # re-exported: what step raises
 from services.worker.kv_cache import PagedKVCache
 from services.worker.model import DLMForMaskedDiffusion
 from services.worker.sampling import MAX_TOP_LOGPROBS, SamplingParams, noise_seed, sample, top_candidates
@@ -164,6 +172,30 @@ class StepResult:
     blocks_skipped: int = 0  # blocks left undecoded because this step completed one holding an EOS
 
 
+@dataclass(frozen=True)
+class KVMemory:
+    """The KV pool's memory now (bytes and positions; a budget of 0: none)."""
+
+    budget_bytes: int  # the cap (0: none)
+    pool_bytes: int  # allocated now
+    used_bytes: int  # in pages requests hold
+    used_tokens: int  # positions requests hold
+    bytes_per_token: int  # one position, every layer (this engine's heads)
+    page_tokens: int  # positions per page (a request's pages round its positions up to this)
+    num_requests: int  # requests holding pages
+
+    @property
+    def free_bytes(self) -> int:
+        return max(self.budget_bytes - self.used_bytes, 0) if self.budget_bytes else 0
+
+    def capacity_tokens(self, max_batch: int) -> int:
+        """Positions a scheduler may place here, summed over requests, and be sure they fit: the budget
+        less one page's rounding per request of a full batch (0: no budget)."""
+        if not self.budget_bytes:
+            return 0
+        return max(self.budget_bytes // self.bytes_per_token - max_batch * (self.page_tokens - 1), 0)
+
+
 @dataclass
 class GenerationResult:
     text: str
@@ -222,11 +254,13 @@ class DLMEngine:
         attention: str = "auto",
         kv_page_size: int | None = None,
         kv_capacity_tokens: int = 0,
+        kv_budget_bytes: int = 0,
     ) -> None:
         """``attention``: ``auto`` (flash-attn where it runs, else PyTorch's varlen op on CUDA, else
         SDPA), ``flash``, ``torch_varlen`` or ``sdpa`` (``services/worker/attention.py``).
         ``kv_page_size``: slots per KV page (flash-attn needs 256; SDPA defaults to 16).
-        ``kv_capacity_tokens``: positions the KV pool holds from the start (it grows when full)."""
+        ``kv_capacity_tokens``: positions the KV pool holds from the start (it grows when full).
+        ``kv_budget_bytes``: the most the KV pool may take (0: no cap; ``set_kv_budget`` later)."""
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.default_gen_length = default_gen_length
@@ -243,7 +277,7 @@ class DLMEngine:
         if self.attention is AttentionBackend.FLASH and page_size % FLASH_PAGE_SIZE:
             raise EngineError(f"flash-attn needs KV pages of a multiple of {FLASH_PAGE_SIZE} slots, got {page_size}")
         self.kv_cache = PagedKVCache(len(model.model.transformer.blocks), block.n_kv_heads, block.head_dim,
-                                     model.dtype, model.device, page_size, kv_capacity_tokens)
+                                     model.dtype, model.device, page_size, kv_capacity_tokens, kv_budget_bytes)
         self._cache_blocks: dict[str, int] = {}  # request id -> the block whose start refreshed its cache
         self.last_step_traffic: dict[StepKind, KVTraffic] = {}  # kind -> bytes its forward moved, last step
 
@@ -311,6 +345,44 @@ class DLMEngine:
         """Bytes of KV pages held by requests' caches (the pool may hold more, free)."""
         return self.kv_cache.reserved_bytes
 
+    def set_kv_budget(self, budget_bytes: int) -> None:
+        self.kv_cache.set_budget(budget_bytes)
+
+    def kv_memory(self) -> KVMemory:
+        """The pool's memory (plain counter reads: safe from another thread while a step runs)."""
+        cache = self.kv_cache
+        return KVMemory(cache.budget_bytes, cache.capacity_bytes, cache.reserved_bytes, cache.held_tokens,
+                        cache.bytes_per_token, cache.page_size, len(self._cache_blocks))
+
+    def trim_kv(self) -> int:
+        """Give the pool's memory back when no request holds pages; the bytes freed."""
+        return self.kv_cache.trim()
+
+    def kv_overflow(self, batch: list[tuple[RequestState, float]]) -> list[str]:
+        """Requests of ``batch`` whose next step would take KV pages beyond the budget, taken in batch
+        order (the first ones fit); empty with no budget."""
+        cache = self.kv_cache
+        left = cache.budget_pages_left
+        if left is None:
+            return []
+        over = []
+        for state, _ in batch:
+            need = self._kv_request(state)
+            if need is None:
+                continue
+            pages = cache.pages_needed([need])
+            if pages > left:
+                over.append(state.request_id)
+            else:
+                left -= pages
+        return over
+
+    def _kv_request(self, state: RequestState) -> tuple[str, int] | None:
+        """(request id, positions) the next step of ``state`` reserves KV for; None: it reserves none."""
+        if state.finished or state.cache_mode is CacheMode.NONE or self.next_step_kind(state) is not StepKind.RECOMPUTE:
+            return None
+        return state.request_id, len(state.prompt_ids) + state.gen_length
+
     def current_block(self, state: RequestState) -> int:
         first_mask = state.canvas.index(self.mask_id)
         return first_mask // state.block_length
@@ -327,6 +399,10 @@ class DLMEngine:
     def step(self, batch: list[tuple[RequestState, float]]) -> list[StepResult]:
         """Advance every (state, threshold) by one step; states are updated in place."""
         items = [self._plan(state, tau) for state, tau in batch]
+        copied, written = self.kv_cache.bytes_copied, self.kv_cache.bytes_written
+        # every KV reservation the batch makes (the recompute forward's: counted there), before anything
+        # changes (KVBudgetExceeded: none does)
+        self.kv_cache.make_room([need for state, _ in batch if (need := self._kv_request(state)) is not None])
         results: dict[str, StepResult] = {}  # request id -> result
         self.last_step_traffic = {}
         for kind in (StepKind.RECOMPUTE, StepKind.CACHE):
@@ -334,11 +410,11 @@ class DLMEngine:
             if kind is StepKind.CACHE:  # in pool order: the torch_varlen kernel reads keys at increasing offsets
                 group.sort(key=lambda it: self.kv_cache.extent(it.state.request_id).first_page)
             if group:
-                copied, written = self.kv_cache.bytes_copied, self.kv_cache.bytes_written
                 logits = self._forward(group)
                 confidences, tokens = self._confidences(logits)
                 self.last_step_traffic[kind] = KVTraffic(self.kv_cache.bytes_copied - copied,
                                                          self.kv_cache.bytes_written - written)
+                copied, written = self.kv_cache.bytes_copied, self.kv_cache.bytes_written
                 offset = 0
                 for item in group:
                     rows = slice(offset, offset + item.block_size)
@@ -399,8 +475,10 @@ class DLMEngine:
         caching = [(it, start) for it, start in zip(group, segments.starts, strict=True)
                    if it.state.cache_mode is not CacheMode.NONE]
         self.kv_cache.make_room([(it.state.request_id, it.sequence_length) for it, _ in caching])
+        for it, _ in caching:  # all first: a reservation may compact the pool, moving the others' pages
+            self.kv_cache.reserve(it.state.request_id, it.sequence_length)
         for it, start in caching:
-            extent = self.kv_cache.reserve(it.state.request_id, it.sequence_length)
+            extent = self.kv_cache.extent(it.state.request_id)
             rows.append(torch.arange(start, start + it.num_stored))
             slots.append(self.kv_cache.slots(extent, 0, it.num_stored))
         if not rows:

@@ -10,7 +10,16 @@ pool (no gather), and flash-attn reads them through a block table (one row of co
 per request) with pages of the size its paged kernel requires (a multiple of 256).
 
 The pool counts the bytes it moves: ``bytes_written`` (fresh keys and values stored) and
-``bytes_copied`` (stored entries moved: only when the pool grows, which copies the old pool).
+``bytes_copied`` (stored entries moved: when the pool grows, which copies the old pool, or is
+compacted).
+
+A byte budget (``budget_bytes``; 0: none) caps the pool: it grows up to the budget and no further.
+A step that needs more pages than the budget leaves raises :class:`KVBudgetExceeded` before anything
+is written (``make_room``), so the engine refuses it whole; free pages scattered between requests'
+runs are first gathered by compaction (requests' pages moved down, in order). The pool never shrinks
+by itself (a burst's pages are reused by the next); ``trim`` gives the memory back once no request
+holds any. Held pages and tokens are plain counters, so another thread (the worker's heartbeat)
+reads them without walking the requests.
 """
 
 from __future__ import annotations
@@ -31,6 +40,17 @@ class Extent:
 
     def first_slot(self, page_size: int) -> int:
         return self.first_page * page_size
+
+
+class KVBudgetExceeded(RuntimeError):
+    """A step would hold more KV pages than the pool's byte budget allows; nothing was written."""
+
+    def __init__(self, request_ids: list[str], needed_pages: int, available_pages: int, page_bytes: int) -> None:
+        self.request_ids = list(request_ids)
+        self.needed_pages, self.available_pages = needed_pages, available_pages
+        super().__init__(
+            f"KV budget full: {len(request_ids)} request(s) need {needed_pages} page(s) "
+            f"({needed_pages * page_bytes} bytes), {available_pages} left under the budget")
 
 
 class _FreePages:
@@ -68,6 +88,14 @@ class _FreePages:
     def num_free(self) -> int:
         return sum(self._lengths)
 
+    @property
+    def longest(self) -> int:
+        return max(self._lengths, default=0)
+
+    def reset(self, start: int, count: int) -> None:
+        """One free run of ``count`` pages from ``start`` (nothing else free)."""
+        self._starts, self._lengths = ([start], [count]) if count else ([], [])
+
 
 class PagedKVCache:
     """The KV caches of every request on one engine (one tensor-parallel shard's heads)."""
@@ -81,7 +109,10 @@ class PagedKVCache:
         device: torch.device,
         page_size: int = 16,
         capacity_tokens: int = 0,
+        budget_bytes: int = 0,
     ) -> None:
+        """``capacity_tokens``: positions the pool holds from the start (and keeps after ``trim``);
+        ``budget_bytes``: the most the pool may ever take (0: no cap)."""
         if page_size < 1:
             raise ValueError(f"page_size must be positive, got {page_size}")
         self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim
@@ -89,10 +120,15 @@ class PagedKVCache:
         self.pool = torch.empty((n_layers, 2, 0, page_size, n_kv_heads, head_dim), dtype=dtype, device=device)
         self._free = _FreePages()
         self._extents: dict[str, Extent] = {}  # request id -> its pages
+        self.held_pages = 0  # pages requests hold (kept in step with _extents)
+        self.held_tokens = 0  # positions they hold
         self.bytes_written = 0
         self.bytes_copied = 0
-        if capacity_tokens > 0:
-            self._grow(-(-capacity_tokens // page_size))
+        self.max_pages: int | None = None  # the budget in pages (None: no cap)
+        self.set_budget(budget_bytes)
+        self._base_pages = min(-(-capacity_tokens // page_size), self.max_pages or 1 << 62) if capacity_tokens > 0 else 0
+        if self._base_pages:
+            self._grow(self._base_pages)
 
     # --- sizes ----------------------------------------------------------------------------------
 
@@ -106,19 +142,45 @@ class PagedKVCache:
         return self.n_layers * 2 * self.n_kv_heads * self.head_dim * self.pool.element_size()
 
     @property
+    def page_bytes(self) -> int:
+        return self.page_size * self.bytes_per_token
+
+    @property
     def capacity_bytes(self) -> int:
+        """Bytes the pool has allocated now (held pages and free ones)."""
         return self.pool.numel() * self.pool.element_size()
 
     @property
     def reserved_bytes(self) -> int:
         """Bytes of the pages that requests hold (free pages excluded)."""
-        pages = sum(e.num_pages for e in self._extents.values())
-        return pages * self.page_size * self.bytes_per_token
+        return self.held_pages * self.page_bytes
 
     @property
     def used_bytes(self) -> int:
         """Bytes of the slots that hold a position (the tail of each request's last page excluded)."""
-        return sum(e.num_tokens for e in self._extents.values()) * self.bytes_per_token
+        return self.held_tokens * self.bytes_per_token
+
+    @property
+    def budget_bytes(self) -> int:
+        """The budget in whole pages' bytes (0: no cap)."""
+        return 0 if self.max_pages is None else self.max_pages * self.page_bytes
+
+    @property
+    def budget_pages_left(self) -> int | None:
+        """Pages requests may still take under the budget (None: no cap)."""
+        return None if self.max_pages is None else max(self.max_pages - self.held_pages, 0)
+
+    def set_budget(self, budget_bytes: int) -> None:
+        """Cap the pool at ``budget_bytes`` (whole pages; 0: no cap). A budget below what requests
+        hold now only stops new reservations until they leave."""
+        if budget_bytes < 0:
+            raise ValueError(f"budget_bytes must not be negative, got {budget_bytes}")
+        self.max_pages = budget_bytes // self.page_bytes if budget_bytes else None
+        if self.max_pages == 0:
+            raise ValueError(f"a KV budget of {budget_bytes} bytes holds no page ({self.page_bytes} bytes each)")
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
 
     # --- requests -------------------------------------------------------------------------------
 
@@ -129,31 +191,72 @@ class PagedKVCache:
         return self._extents[request_id]
 
     def reserve(self, request_id: str, num_tokens: int) -> Extent:
-        """The request's extent for ``num_tokens`` positions: its own when it has one that size, else new pages."""
+        """The request's extent for ``num_tokens`` positions: its own when it has one that size, else
+        new pages (the pool grows, or is compacted, when no free run is long enough)."""
         held = self._extents.get(request_id)
         if held is not None and held.num_tokens == num_tokens:
             return held
+        self.make_room([(request_id, num_tokens)])
         self.release(request_id)
-        num_pages = -(-num_tokens // self.page_size)
+        num_pages = self.pages_for(num_tokens)
         first = self._free.take(num_pages)
-        if first is None:
-            self._grow(max(self.num_pages, num_pages))
+        if first is None:  # free pages enough (make_room), but scattered
+            self._compact()
             first = self._free.take(num_pages)
+        assert first is not None, "make_room left too few free pages"
         extent = Extent(first, num_pages, num_tokens)
         self._extents[request_id] = extent
+        self.held_pages += num_pages
+        self.held_tokens += num_tokens
         return extent
 
+    def pages_needed(self, requests: list[tuple[str, int]]) -> int:
+        """New pages these (request id, positions) reservations take (a request's own extent of that
+        size is kept; one of another size is given back first)."""
+        needed = 0
+        for rid, n in requests:
+            held = self._extents.get(rid)
+            if held is None or held.num_tokens != n:
+                needed += self.pages_for(n) - (held.num_pages if held is not None else 0)
+        return needed
+
+    def fits(self, requests: list[tuple[str, int]]) -> bool:
+        """Would reserving these (request id, positions) extents stay within the budget?"""
+        left = self.budget_pages_left
+        return left is None or self.pages_needed(requests) <= left
+
     def make_room(self, requests: list[tuple[str, int]]) -> None:
-        """Grow once, if need be, so that these (request id, positions) extents can be reserved one by one."""
-        needed = sum(-(-n // self.page_size) for rid, n in requests
-                     if rid not in self._extents or self._extents[rid].num_tokens != n)
-        if needed > self._free.num_free:
-            self._grow(max(self.num_pages, needed))
+        """Grow once, if need be, so that these (request id, positions) extents can be reserved one by
+        one; :class:`KVBudgetExceeded` (nothing changed) when the budget cannot hold them."""
+        needed = self.pages_needed(requests)
+        left = self.budget_pages_left
+        if left is not None and needed > left:
+            raise KVBudgetExceeded([rid for rid, _ in requests], needed, left, self.page_bytes)
+        short = needed - self._free.num_free
+        if short > 0:
+            extra = max(self.num_pages, short)  # doubling, so growth copies O(total) bytes in all
+            if self.max_pages is not None:
+                extra = max(min(extra, self.max_pages - self.num_pages), short)
+            self._grow(extra)
 
     def release(self, request_id: str) -> None:
         extent = self._extents.pop(request_id, None)
         if extent is not None:
             self._free.give(extent.first_page, extent.num_pages)
+            self.held_pages -= extent.num_pages
+            self.held_tokens -= extent.num_tokens
+
+    def trim(self) -> int:
+        """Give back the memory of a pool no request holds pages of: back to its starting size.
+        Returns the bytes freed (0 while any request holds pages)."""
+        if self._extents or self.num_pages <= self._base_pages:
+            return 0
+        freed = self.capacity_bytes
+        shape = list(self.pool.shape)
+        shape[2] = self._base_pages
+        self.pool = self.pool.new_empty(shape)
+        self._free.reset(0, self._base_pages)
+        return freed - self.capacity_bytes
 
     def _grow(self, extra_pages: int) -> None:
         """Add ``extra_pages`` at the end of the pool; the old pool is copied (counted in ``bytes_copied``)."""
@@ -165,6 +268,19 @@ class PagedKVCache:
             self.pool[:, :, : old.shape[2]].copy_(old)
             self.bytes_copied += old.numel() * old.element_size()
         self._free.give(old.shape[2], extra_pages)
+
+    def _compact(self) -> None:
+        """Move every request's pages down, in pool order, so that the free pages form one run at the end."""
+        cursor = 0
+        for rid, extent in sorted(self._extents.items(), key=lambda item: item[1].first_page):
+            if extent.first_page != cursor:
+                n = extent.num_pages
+                moved = self.pool[:, :, extent.first_page : extent.first_page + n].clone()
+                self.pool[:, :, cursor : cursor + n].copy_(moved)
+                self.bytes_copied += moved.numel() * moved.element_size()
+                self._extents[rid] = Extent(cursor, n, extent.num_tokens)
+            cursor += extent.num_pages
+        self._free.reset(cursor, self.num_pages - cursor)
 
     # --- reading and writing one layer ----------------------------------------------------------
 

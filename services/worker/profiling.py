@@ -75,6 +75,7 @@ def profile_model(model_dir: str, device: str, batch_sizes: list[int], context_t
         "context_tokens": context_tokens,
         "block_length": engine.default_block_length,
         "gen_length": engine.default_gen_length,
+        "kv_bytes_per_token": engine.kv_cache.bytes_per_token,
         "tp": {"1": by_kind},
         "notes": f"measured by `dls profile` with torch {torch.__version__}, median of {repeats} repeats",
     }

@@ -40,13 +40,22 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from services.worker.beats import BeatThread
+from services.worker.kv_cache import KVBudgetExceeded
 from shared.generation import answer_of, stream_release
 from shared.messages import codec
 from shared.messages.base import CacheMode, StepKind
 from shared.messages.base import ConfidenceStats as WireConfidence
+from shared.messages.control import KVMemory as KVMemoryBeat
 from shared.messages.control import WorkerHeartbeat, WorkerStatus
 from shared.messages.events import RequestFinished, RequestProgress, TokenLogprobs, Usage
-from shared.messages.steps import RequestStepResult, StepCommand, StepFailure, StepItem, StepResults
+from shared.messages.steps import (
+    FailureKind,
+    RequestStepResult,
+    StepCommand,
+    StepFailure,
+    StepItem,
+    StepResults,
+)
 from shared.metrics import WorkerMetrics, serve_metrics
 from shared.pipelining import held_step
 from shared.profiles import LatencyProfile
@@ -262,6 +271,7 @@ class WorkerService:
                 ttl_s=self.settings.lease_ttl_s, sent_at=self.clock(), started_at=self.started_at,
                 metrics_port=self._metrics_server.server_port if self._metrics_server is not None else 0,
                 shard=self.shard, seq=self.num_heartbeats + 1, step_running_s=self.step_running_s(),
+                kv=self.kv_beat(),
             )
             self.num_heartbeats += 1
         return codec.encode(beat, self.settings.max_payload_bytes)
@@ -327,6 +337,10 @@ class WorkerService:
                     self._step_published(results)
                 continued = True
             self.metrics.resident.set(len(self.local))
+            self._trim_kv()
+            kv = getattr(self.engine, "kv_cache_bytes", None)
+            if kv is not None:
+                self.metrics.kv_used.set(kv)
         self._check_drained()
 
     # --- pipelining: the scheduler's command for the step after the running one -------------------
@@ -370,15 +384,23 @@ class WorkerService:
         for item in command.items[self.settings.max_batch:]:
             failures.append(StepFailure(request_id=item.request_id, reason=f"batch over max_batch {self.settings.max_batch}"))
         ready, loaded = await self._states(items, failures)
+        ready = self._within_kv_budget(ready, failures)
         batch = [(local.state, item.threshold) for item, local in ready]
         self._computing_since = time.monotonic() if batch else None
         try:
             if not batch:
                 outcomes = []
-            elif self._offload:  # a real forward: off the event loop, so heartbeats and commands keep flowing
-                outcomes = await asyncio.to_thread(self.engine.step, batch)
-            else:  # an engine that computes nothing (the zero-compute fake): a thread hop would cost more
-                outcomes = self.engine.step(batch)
+            else:
+                try:
+                    if self._offload:  # a real forward: off the event loop, so heartbeats and commands keep flowing
+                        outcomes = await asyncio.to_thread(self.engine.step, batch)
+                    else:  # an engine that computes nothing (the zero-compute fake): a thread hop would cost more
+                        outcomes = self.engine.step(batch)
+                except KVBudgetExceeded as exc:  # refused whole, nothing changed (kv_overflow should have caught it)
+                    logger.warning("step %d refused by the KV budget: %s", command.step_id, exc)
+                    failures += [StepFailure(request_id=item.request_id, reason=str(exc), kind=FailureKind.KV_FULL)
+                                 for item, _ in ready]
+                    ready, batch, outcomes = [], [], []
             if self.pace is not None and batch:
                 await self._pace(t0, outcomes, [state for state, _ in batch])
         finally:
@@ -442,6 +464,42 @@ class WorkerService:
             instance_id=self.instance_id, step_id=command.step_id, results=results, failures=failures,
             started_at=started, duration_s=duration, num_loaded=len(loaded),
         )
+
+    def _within_kv_budget(self, ready: list, failures: list[StepFailure]) -> list:
+        """The (item, local copy) pairs whose step fits the KV budget; the others fail as ``KV_FULL``
+        (their state is unchanged: the scheduler puts them back in its queue)."""
+        overflow = getattr(self.engine, "kv_overflow", None)
+        over = set(overflow([(local.state, item.threshold) for item, local in ready])) if overflow else set()
+        if not over:
+            return ready
+        memory = self.engine.kv_memory()
+        for item, _ in ready:
+            if item.request_id in over:
+                failures.append(StepFailure(
+                    request_id=item.request_id, kind=FailureKind.KV_FULL,
+                    reason=f"KV budget full ({memory.used_bytes} of {memory.budget_bytes} bytes held)"))
+        self.metrics.kv_refused.inc(len(over))
+        return [(item, local) for item, local in ready if item.request_id not in over]
+
+    def _trim_kv(self) -> None:
+        """Holding no request: give the KV pool's memory back (it grows again with the next burst)."""
+        trim = getattr(self.engine, "trim_kv", None)
+        if trim is not None and not self.local:
+            freed = trim()
+            if freed:
+                logger.debug("worker %s: KV pool trimmed, %d bytes freed", self.instance_id, freed)
+
+    def kv_beat(self) -> KVMemoryBeat | None:
+        """The KV pool as the heartbeat reports it (plain counter reads: safe from the beat thread)."""
+        memory_of = getattr(self.engine, "kv_memory", None)
+        if memory_of is None:
+            return None
+        m = memory_of()
+        return KVMemoryBeat(
+            budget_bytes=m.budget_bytes, pool_bytes=m.pool_bytes, used_bytes=m.used_bytes, free_bytes=m.free_bytes,
+            used_tokens=m.used_tokens, free_tokens=m.free_bytes // m.bytes_per_token if m.bytes_per_token else 0,
+            capacity_tokens=m.capacity_tokens(self.settings.max_batch), bytes_per_token=m.bytes_per_token,
+            page_tokens=m.page_tokens)
 
     async def _states(self, items: list[StepItem], failures: list[StepFailure]):
         """(item, local copy) for every item that can step, loading from Redis where needed."""
@@ -642,12 +700,30 @@ def make_engine(settings: WorkerSettings):
     return DLMEngine.from_pretrained(settings.model_dir, device=settings.device)
 
 
+def kv_budget_bytes(settings: WorkerSettings) -> int:
+    """The KV pool's byte budget per GPU: ``kv_budget_bytes``, else on CUDA ``kv_memory_fraction`` of the
+    memory free now (the model loaded), else 0 (no cap)."""
+    if settings.kv_budget_bytes:
+        return settings.kv_budget_bytes
+    import torch
+
+    device = torch.device(settings.device)
+    if device.type != "cuda":
+        return 0
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free * settings.kv_memory_fraction)
+
+
 async def serve(settings: WorkerSettings) -> None:
 
     from shared.state import RedisStateStore
 
     setup_tracing("dls-worker", settings)
     engine = await asyncio.to_thread(make_engine, settings)
+    budget = kv_budget_bytes(settings)
+    if budget:
+        engine.set_kv_budget(budget)
+        logger.info("KV cache budget: %d bytes per GPU", budget)
     nc = await connect_nats(settings, "dls-worker")
     store = RedisStateStore.from_url(settings.redis_url, settings.redis_key_prefix)
     service = WorkerService(settings, engine, nc, store,

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.worker.engine import CacheMode, DLMEngine, RequestState, StepKind, StepResult
+from services.worker.kv_cache import KVBudgetExceeded
 from services.worker.loading import load_model
 from services.worker.model import DLMConfig, DLMForMaskedDiffusion
 from services.worker.sampling import SamplingParams
@@ -249,6 +250,9 @@ def _serve(engine: DLMEngine, model: DLMForMaskedDiffusion, conn: Connection) ->
                 dist.all_gather_object([None] * dist.get_world_size(), _step_summary(results, batch))
         elif command == "forward":
             _forward(model, *args)
+        elif command == "kv":  # the KV pool's budget or trim, the same on every rank
+            method, *kv_args = args
+            getattr(engine, method)(*kv_args)
         else:
             raise TensorParallelError(f"unknown command {command!r}")
 
@@ -354,6 +358,12 @@ class TensorParallelEngine:
             # Validate here, before any rank is involved: a bad request must not leave the ranks
             # half-way through a collective. Planning has no side effects.
             self._engine._plan(state, threshold)
+        over = self._engine.kv_overflow(batch)  # every rank's pool holds the same pages: rank 0 answers
+        if over:  # refused here, before any rank is involved (a rank raising mid-command would be lost)
+            needed = sum(self._engine.kv_cache.pages_for(len(s.prompt_ids) + s.gen_length)
+                         for s, _ in batch if s.request_id in over)
+            raise KVBudgetExceeded(over, needed, self._engine.kv_cache.budget_pages_left or 0,
+                                   self._engine.kv_cache.page_bytes)
         drop_ids, self._drop_ids = self._drop_ids, []
         return self._on_all_ranks(("step", drop_ids, batch, self.verify), lambda: self._local_step(batch))
 
@@ -492,6 +502,25 @@ class TensorParallelEngine:
     def kv_cache_bytes(self) -> int:
         """Rank 0's KV pages held by requests (each rank holds as much for its own heads)."""
         return self._engine.kv_cache_bytes
+
+    def kv_memory(self):
+        """Rank 0's KV pool (every rank's pool holds the same pages, each for its own heads)."""
+        return self._engine.kv_memory()
+
+    def kv_overflow(self, batch: list[tuple[RequestState, float]]) -> list[str]:
+        return self._engine.kv_overflow(batch)
+
+    def set_kv_budget(self, budget_bytes: int) -> None:
+        """The same byte budget for every rank's pool (one GPU each)."""
+        self._check_usable()
+        self._on_all_ranks(("kv", "set_kv_budget", budget_bytes), lambda: self._engine.set_kv_budget(budget_bytes))
+
+    def trim_kv(self) -> int:
+        """Every rank gives its pool's memory back when no request holds pages; rank 0's bytes freed."""
+        self._check_usable()
+        if self._engine.kv_cache.num_pages == 0 or self._engine.kv_cache.held_pages:
+            return 0
+        return self._on_all_ranks(("kv", "trim_kv"), self._engine.trim_kv)
 
     @property
     def name(self) -> str:

@@ -25,6 +25,21 @@ class WorkerStatus(IntEnum):
     STOPPING = 3  # about to exit; its lease ends now
 
 
+class KVMemory(Part, kw_only=True):
+    """A worker's KV pool as its heartbeat reports it (``services.worker.engine.KVMemory``); per GPU of
+    the instance (every tensor-parallel rank holds the same pages for its own heads)."""
+
+    budget_bytes: int = 0  # the pool's cap (0: none)
+    pool_bytes: int = 0  # allocated now
+    used_bytes: int = 0  # in pages requests hold
+    free_bytes: int = 0  # budget less used (0 with no budget)
+    used_tokens: int = 0  # positions requests hold
+    free_tokens: int = 0  # positions the free bytes hold
+    capacity_tokens: int = 0  # positions the scheduler may place here, summed over requests (0: no budget)
+    bytes_per_token: int = 0  # one position, every layer
+    page_tokens: int = 0  # positions per page
+
+
 class WorkerHeartbeat(Message, kw_only=True):
     """A worker's lease: it is alive and serving ``model`` for ``ttl_s`` after this heartbeat *arrives*
     (on the receiver's clock: ``shared.leases``; ``sent_at`` is informational, hosts' clocks differ)."""
@@ -47,6 +62,7 @@ class WorkerHeartbeat(Message, kw_only=True):
     shard: int = 0  # the scheduler shard that owns this instance (DLS_SCHEDULER_SHARDS > 1)
     seq: int = 0  # counts this process's heartbeats from 1 (orders them; 0: a sender that does not count)
     step_running_s: float = 0.0  # how long its current step has been computing (s, its monotonic clock); 0: idle
+    kv: KVMemory | None = None  # its KV pool (None: an engine that keeps none)
 
 
 class Arrival(Part, kw_only=True):

@@ -13,6 +13,8 @@ state with a versioned write and reports the new version in its result.
 
 from __future__ import annotations
 
+from enum import StrEnum
+
 from shared.messages.base import ConfidenceStats, Message, Part, StepKind
 
 
@@ -46,11 +48,19 @@ class StepCommand(Message, kw_only=True):
     drop_finished: bool = False  # with after_step_id: requests that finished are left out, the rest go on
 
 
+class FailureKind(StrEnum):
+    """Why a request did not step, as far as the scheduler acts on it."""
+
+    STATE = "state"  # stale or missing state, or a write that failed: reload it, then step again
+    KV_FULL = "kv_full"  # its KV cache would not fit the instance's budget: back to the queue (preempted)
+
+
 class StepFailure(Part, kw_only=True):
     """A request the worker could not step (its state is unchanged)."""
 
     request_id: str  # the request that failed
     reason: str  # why (stale or missing state, engine error, ...)
+    kind: FailureKind = FailureKind.STATE  # what the scheduler does about it
 
 
 class RequestStepResult(Part, kw_only=True):

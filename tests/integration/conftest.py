@@ -132,8 +132,8 @@ def dls_up(run_dir: Path, *args: str, env: dict[str, str] | None = None) -> Iter
     """``dls up --workers 2 ARGS`` on free ports with its own NATS and Redis, until it serves (a
     worker is up); stopped with Ctrl-C at the end. ``env`` adds to the environment."""
     port = free_port()
-    full_env = dict(os.environ, DLS_NATS_URL=f"nats://127.0.0.1:{free_port()}",
-                    DLS_REDIS_URL=f"redis://127.0.0.1:{free_port()}/0", **(env or {}))
+    full_env = {**os.environ, "DLS_NATS_URL": f"nats://127.0.0.1:{free_port()}",
+                "DLS_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0", **(env or {})}
     argv = [sys.executable, "-m", "services.cli", "up", "--port", str(port), "--workers", "2", *args,
             "--run-dir", str(run_dir)]
     process = subprocess.Popen(argv, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -62,6 +62,10 @@ class Stage1Options:
     max_utilization: float = 0.9  # rho: stability margin below the processing rate
     quality_tolerance: float = 0.0  # solve 2 may lose this much average threshold (HiGHS adds its 1e-7)
     solver: highs.SolverOptions = field(default_factory=highs.SolverOptions)
+    # KV cache memory per GPU (0: none): a degree-d instance holds d x this / the profile's
+    # kv_bytes_per_token context tokens, so a batch of b requests of a class is an option only where
+    # b x (its prompt + output tokens) fits (TP-2 has twice TP-1's room)
+    kv_budget_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,14 @@ class Stage1Inputs:
     fastest_by_class: dict[int, tuple[float, int, int, float]]
 
 
+def kv_tokens_of(profile: LatencyProfile, tp: int, kv_budget_bytes: int) -> int | None:
+    """Context tokens a degree-``tp`` instance's KV memory holds (None: no budget, or a profile that
+    does not know its KV bytes per token)."""
+    if not kv_budget_bytes:
+        return None
+    return profile.kv_tokens(tp, kv_budget_bytes)
+
+
 def precompute(
     workload: Workload, cluster: Cluster, profile: LatencyProfile, options: Stage1Options
 ) -> Stage1Inputs:
@@ -113,11 +125,15 @@ def precompute(
     slo_s = tuple(class_slo_s(profile, workload, c) for c in workload.classes)
     all_options: list[Option] = []
     fastest_by_class: dict[int, tuple[float, int, int, float]] = {}
+    kv_tokens = {d: kv_tokens_of(profile, d, options.kv_budget_bytes) for d in tp_degrees}
     for ci, request_class in enumerate(workload.classes):
+        context = request_class.prompt_tokens + request_class.output_tokens
         for threshold in workload.thresholds:
             steps = predicted_steps(workload, request_class, threshold)
             for d in tp_degrees:
                 for b in batches_by_tp[d]:
+                    if kv_tokens[d] is not None and b * context > kv_tokens[d]:
+                        continue  # the batch's KV caches do not fit the instance's memory
                     latency = request_latency_s(profile, request_class, steps, d, b)
                     fastest_by_class[ci] = min(
                         fastest_by_class.get(ci, (latency, d, b, threshold)), (latency, d, b, threshold)

@@ -9,6 +9,7 @@ from services.scheduler.core.base import Policy
 from services.scheduler.core.decisions import (
     BatchOutcome,
     Decisions,
+    Preemption,
     Rejection,
     RejectReason,
     StepAssignment,
@@ -16,6 +17,7 @@ from services.scheduler.core.decisions import (
 )
 from services.scheduler.core.events import EventKind, EventQueue
 from services.scheduler.core.loop import SchedulingLoop
+from services.scheduler.core.memory import PreemptionConfig, Preemptor
 from services.scheduler.core.policies import POLICIES, make_config, make_policy, policy_names
 from services.scheduler.core.request import CacheMode, Prediction, Request, RequestStatus
 from services.scheduler.core.steps import (
@@ -39,6 +41,9 @@ __all__ = [
     "Policy",
     "PendingResults",
     "Prediction",
+    "Preemption",
+    "PreemptionConfig",
+    "Preemptor",
     "RejectReason",
     "Rejection",
     "Request",

@@ -35,19 +35,33 @@ class Rejection:
     detail: str = ""  # human-readable numbers behind the reason
 
 
+@dataclass(frozen=True, slots=True)
+class Preemption:
+    """A request yields its KV memory: back to the queue, its cache dropped (it resumes from its stored
+    state with a recompute step)."""
+
+    request_id: str
+    instance_id: str  # where it was
+    for_request_id: str = ""  # the queued request it makes room for ("": its step did not fit the worker's budget)
+    holder_id: str | None = None  # the instance that held its copy and KV cache (to drop them)
+
+
 @dataclass(slots=True)
 class Decisions:
     """Everything one ``schedule`` call decided."""
 
     assignments: list[StepAssignment] = field(default_factory=list)
     rejections: list[Rejection] = field(default_factory=list)
+    # requests that yielded their KV memory (back to the queue; their holder drops the cache), decided
+    # by the loop before the policy's pass (services/scheduler/core/memory.py)
+    preemptions: list[Preemption] = field(default_factory=list)
 
     @property
     def migrations(self) -> list[StepAssignment]:
         return [a for a in self.assignments if a.is_migration]
 
     def __len__(self) -> int:
-        return len(self.assignments) + len(self.rejections)
+        return len(self.assignments) + len(self.rejections) + len(self.preemptions)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,4 +88,5 @@ class BatchOutcome:
     duration_s: float = 0.0
     step_id: int = 0  # the command it answers (``StepScheduler`` checks it is the one in flight)
     failed_ids: tuple[str, ...] = ()  # requests of the command that did not step (stale or missing state)
+    kv_full_ids: tuple[str, ...] = ()  # requests the worker refused: their KV cache would not fit its budget
     continued_step_id: int = 0  # the instance went straight on to this held command (pipelining)

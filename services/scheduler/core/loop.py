@@ -11,7 +11,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from services.scheduler.core.base import Policy
-from services.scheduler.core.decisions import BatchOutcome, Decisions, StepAssignment
+from services.scheduler.core.decisions import (
+    BatchOutcome,
+    Decisions,
+    Preemption,
+    Rejection,
+    RejectReason,
+    StepAssignment,
+)
+from services.scheduler.core.memory import Preemptor
 from services.scheduler.core.request import Prediction, Request, RequestStatus
 from services.scheduler.core.view import ClusterView
 
@@ -28,9 +36,12 @@ class Continuation:
 
 
 class SchedulingLoop:
-    def __init__(self, policy: Policy, view: ClusterView | None = None) -> None:
+    def __init__(self, policy: Policy, view: ClusterView | None = None, preemptor: Preemptor | None = None) -> None:
+        """``preemptor``: who yields KV memory to queued requests (``memory.py``; default: its defaults,
+        the same for every policy)."""
         self.policy = policy
         self.view = view if view is not None else ClusterView()
+        self.preemptor = preemptor if preemptor is not None else Preemptor()
 
     def on_arrival(self, now: float, request: Request) -> Decisions:
         self.view.add_request(request)
@@ -139,10 +150,34 @@ class SchedulingLoop:
         """A scheduling pass with no new event (after instance changes, or periodically)."""
         return self._schedule(now)
 
+    def preempt(self, request_id: str, for_request_id: str = "") -> Preemption:
+        """A request yields its memory (``ClusterView.preempt``); the driver drops its cache."""
+        request = self.view.requests[request_id]
+        instance_id = request.instance_id or ""
+        return Preemption(request_id, instance_id, for_request_id, self.view.preempt(request_id))
+
+    def _make_room(self, now: float) -> Decisions:
+        """Before the policy's pass: queued requests no instance could ever hold are rejected, and
+        running ones yield memory to queued ones where the preemptor says so (``memory.py``)."""
+        out = Decisions()
+        for request, largest in self.preemptor.unplaceable(self.view):
+            out.rejections.append(Rejection(request.request_id, RejectReason.NO_INSTANCE,
+                                            f"its prompt and canvas take {request.context_tokens} tokens of KV cache; "
+                                            f"the largest instance holds {largest}"))
+        if out.rejections:
+            self.view.apply(now, out)
+        for p in self.preemptor.choose(now, self.view):
+            out.preemptions.append(self.preempt(p.request_id, p.for_request_id))
+        return out
+
     def _schedule(self, now: float) -> Decisions:
         read_up_to = self.view.log_positions()
+        room = self._make_room(now)
         decisions = self.policy.schedule(now, self.view)
         self.view.apply(now, decisions)
         # the policy has read the logs up to there (not what apply just added): keeps them bounded
         self.view.trim_logs(read_up_to)
+        if room:
+            decisions.rejections[:0] = room.rejections
+            decisions.preemptions[:0] = room.preemptions
         return decisions

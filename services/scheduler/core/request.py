@@ -69,6 +69,7 @@ class Request:
     num_block_steps: int = 0  # steps done inside the current block (0: next step starts the block)
     num_block_tokens: int = 0  # tokens committed inside the current block
     num_migrations: int = 0
+    num_preemptions: int = 0  # times it yielded its KV memory to a queued request
     last_migration_step: int = -(10**9)
     # where its state is (the stored state of the live system, the simulator's emulation of it)
     state_version: int = 0  # version of the stored state its next step starts from

@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from services.scheduler.core.decisions import BatchOutcome, Decisions, Rejection, StepAssignment
+from services.scheduler.core.decisions import BatchOutcome, Decisions, Preemption, Rejection, StepAssignment
 from services.scheduler.core.loop import Continuation, SchedulingLoop
 from services.scheduler.core.request import CacheMode, Prediction, Request, RequestStatus
 from shared.messages.predictor import PredictionQuery
@@ -68,10 +68,12 @@ class StepDecisions:
     migrations: list[StepAssignment] = field(default_factory=list)
     reload_ids: list[str] = field(default_factory=list)  # read these back from the store, then ``reloaded``
     removed_ids: list[str] = field(default_factory=list)  # drained instances now out of the view
+    preemptions: list[Preemption] = field(default_factory=list)  # requests that yielded their KV memory
 
     def extend(self, other: StepDecisions) -> StepDecisions:
         self.commands += other.commands
         self.rejections += other.rejections
+        self.preemptions += other.preemptions
         self.migrations += other.migrations
         self.reload_ids += other.reload_ids
         self.removed_ids += other.removed_ids
@@ -133,7 +135,7 @@ class StepScheduler:
         self._instances: dict[str, InstanceSteps] = {}  # instance id -> its step state
         self._dirty: dict[str, None] = {}  # instances that may have a command to send (ordered set)
         self.counters = {"continued_steps": 0, "pipelined_steps": 0, "migrations": 0, "failed_steps": 0,
-                         "lost_steps": 0, "recovered_steps": 0}
+                         "lost_steps": 0, "recovered_steps": 0, "preemptions": 0, "kv_refused_steps": 0}
 
     # --- events ----------------------------------------------------------------------------------
 
@@ -147,8 +149,10 @@ class StepScheduler:
         self.loop.on_prediction(now, request_id, prediction)
 
     def add_instance(self, now: float, instance_id: str, tp: int, profile: LatencyProfile, *, node_id: str = "",
-                     max_batch: int | None = None) -> StepDecisions:
-        self.view.add_instance(instance_id, tp, profile, node_id=node_id, max_batch=max_batch)
+                     max_batch: int | None = None, mem_limit_tokens: int | None = None) -> StepDecisions:
+        """``mem_limit_tokens``: the KV tokens it holds (its worker's budget); None: the view's default."""
+        self.view.add_instance(instance_id, tp, profile, node_id=node_id, max_batch=max_batch,
+                               mem_limit_tokens=mem_limit_tokens)
         self._instances[instance_id] = InstanceSteps()
         return self.tick(now)
 
@@ -286,11 +290,28 @@ class StepScheduler:
     # --- helpers ---------------------------------------------------------------------------------
 
     def _requeue_failed(self, result: BatchOutcome) -> list[str]:
+        """Failed requests wait for their reload; those the worker's KV budget refused go back to the
+        queue (a preemption: placed again where memory allows)."""
         failed = [rid for rid in result.failed_ids if rid in self.view.requests]
         for rid in failed:
             self.view.requeue_request(rid)
         self.counters["failed_steps"] += len(failed)
+        refused = [rid for rid in result.kv_full_ids if rid in self.view.requests]
+        for rid in refused:
+            self._drop_preempted(self.loop.preempt(rid))
+        self.counters["kv_refused_steps"] += len(refused)
         return failed
+
+    def _drop_preempted(self, preemption: Preemption) -> None:
+        """A request that yielded its memory: its holder drops its copy and KV cache with its next
+        command; the instance it left may take queued work."""
+        self.counters["preemptions"] += 1
+        holder = self._instances.get(preemption.holder_id or "")
+        if holder is not None and preemption.request_id not in holder.drop_ids:
+            holder.drop_ids.append(preemption.request_id)
+            self._dirty[preemption.holder_id] = None
+        if preemption.instance_id in self.view.instances:
+            self._dirty[preemption.instance_id] = None
 
     def _release(self, now: float, result: BatchOutcome, notes: list[str]) -> list[tuple[str, float]] | None:
         """Free the instance after its step, or keep it busy with the held command its worker ran;
@@ -325,8 +346,11 @@ class StepScheduler:
             self._dirty[instance_id] = None
 
     def _carry(self, now: float, decisions: Decisions) -> StepDecisions:
-        """A policy's decisions as step decisions: the migrations noted, then every command due."""
-        out = StepDecisions(rejections=list(decisions.rejections))
+        """A policy's decisions as step decisions: the preemptions' drops and the migrations noted, then
+        every command due."""
+        out = StepDecisions(rejections=list(decisions.rejections), preemptions=list(decisions.preemptions))
+        for preemption in decisions.preemptions:
+            self._drop_preempted(preemption)
         for a in decisions.assignments:
             self._dirty[a.instance_id] = None
             if a.is_migration:

@@ -253,6 +253,19 @@ class ClusterView:
         request.reloading = False
         return lost
 
+    def preempt(self, request_id: str) -> str | None:
+        """A request yields its instance's memory: it goes back to the queue, behind the requests of its
+        priority, and its next step starts from the stored state (whoever held its copy and KV cache
+        drops them). From READY (between steps) or from RUNNING/MIGRATING (a step its worker refused:
+        the state did not change). Returns the instance that held its state (None: only the store)."""
+        request = self.requests[request_id]
+        if request.status in (RequestStatus.RUNNING, RequestStatus.MIGRATING):
+            request.move(RequestStatus.READY)
+        request.num_preemptions += 1
+        holder, request.holder_id = request.holder_id, None
+        self._evict(request, behind=True)
+        return holder
+
     def alive_instances(self) -> list[InstanceView]:
         return [inst for inst in self.instances.values() if inst.alive]
 
@@ -384,11 +397,11 @@ class ClusterView:
         request.previous_instance_id = request.instance_id
         request.instance_id = None
 
-    def _evict(self, request: Request) -> None:
+    def _evict(self, request: Request, behind: bool = False) -> None:
         self._leave(request)
         self.ready_ids.pop(request.request_id, None)
         request.move(RequestStatus.QUEUED)
-        self._enqueue(request)
+        self._enqueue(request, behind)
 
     def _retire(self, request: Request, now: float) -> None:
         if request.instance_id is not None:
@@ -399,10 +412,15 @@ class ClusterView:
         del self.requests[request.request_id]
         self.removal_log.append(request.request_id)
 
-    def _enqueue(self, request: Request) -> None:
+    def _enqueue(self, request: Request, behind: bool = False) -> None:
+        """Into the queue at its admission order, or (``behind``) after every request admitted so far."""
         self._num_entries += 1
         self._queue_entry[request.request_id] = self._num_entries
-        heapq.heappush(self._queue, (-request.priority, request.seq, self._num_entries, request.request_id))
+        order = request.seq
+        if behind:
+            order = self._num_admitted  # the next admission's seq: no request so admitted shares it
+            self._num_admitted += 1
+        heapq.heappush(self._queue, (-request.priority, order, self._num_entries, request.request_id))
 
     def _dequeue(self, request: Request) -> None:
         self._queue_entry.pop(request.request_id, None)
