@@ -144,3 +144,18 @@ def test_options_pass_through(profile, cluster16):
     tight = solve_stage1(make_workload(48), cluster16, profile, strict)
     assert all(u <= 0.5 + 1e-6 for u in tight.utilization_by_tp.values())
     assert tight.avg_threshold is None or tight.avg_threshold <= loose.avg_threshold + 1e-6
+
+
+def test_a_kv_budget_keeps_each_batch_within_its_degrees_memory(profile, cluster16):
+    import dataclasses
+
+    profile = dataclasses.replace(profile, kv_bytes_per_token=512 * 1024)
+    budget = 1 << 30  # 1 GiB per GPU: 2,048 tokens at TP-1 (four 512-token requests), 4,096 at TP-2
+    free = solve_stage1(make_workload(56), cluster16, profile)
+    bound = solve_stage1(make_workload(56), cluster16, profile, Stage1Options(kv_budget_bytes=budget))
+    assert free.feasible and bound.feasible
+    longest = 256 + 256
+    assert any(a.batch * longest > profile.kv_tokens(a.tp, budget) for a in free.assignments)
+    for a in bound.assignments:
+        assert a.batch * longest <= profile.kv_tokens(a.tp, budget)
+    assert bound.avg_threshold < free.avg_threshold  # memory costs quality at this load
