@@ -125,3 +125,24 @@ def test_overlap_continues_steps_before_the_pass_in_the_simulator(tmp_path, monk
     points = result["policies"]["dilaserve"]["points"]
     assert sum(p["continued_steps"] for p in points) > 0 and all(p["pipelined_steps"] == 0 for p in points)
     assert all(p["num_finished"] == p["num_requests"] for p in points)
+
+
+def test_a_kv_budget_is_checked_and_compared_with_none(tmp_path, monkeypatch, capsys):
+    from sim import experiments
+    from tests.unit.sim.sim_builders import make_trace
+
+    with pytest.raises(cli.CliError, match="--kv-budget-mib: must be positive"):
+        _run(["compare", "--preset", "tiny", "--kv-budget-mib", "0"])
+    with pytest.raises(cli.CliError, match="--kv-budget-mib: .* holds no token"):
+        _run(["compare", "--preset", "tiny", "--kv-budget-mib", "0.1"])
+    monkeypatch.setattr(experiments, "calibrate", lambda *args, **kwargs: make_trace())
+    out = tmp_path / "out.json"
+    _run(["compare", "--preset", "tiny", "--quick", "--policies", "dilaserve", "--prediction", "fallback",
+          "--no-fidelity", "--kv-budget-mib", "64", "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert result["setup"]["kv_budget"]["tokens_by_tp"]["1"] == 128  # 64 MiB / 512 KiB per token
+    assert result["setup"]["kv_budget"]["tokens_by_tp"]["2"] == 256
+    assert set(result["policies"]) == {"dilaserve", "dilaserve (no KV budget)"}
+    bound, free = (result["policies"][k]["points"] for k in ("dilaserve", "dilaserve (no KV budget)"))
+    assert all("num_preemptions" in p for p in bound + free)
+    assert "preempt" in capsys.readouterr().out
