@@ -15,7 +15,8 @@ first wave has turned over, so the requests of an instance are at different poin
 
     python -m bench.control_plane --json runs/bench-control-plane.json
 
-JSON: ``overhead_ms`` (p50, p99), ``overhead_round_trip_ms``, ``pipelined_share``, ``floor_ms``
+JSON: ``overhead_ms`` (p50, p99), ``overhead_round_trip_ms``, ``pipelined_share``, ``gpu_idle_share``
+(the share of the instances' wall time with requests held and no step running), ``floor_ms``
 (nats_rtt, redis_rtt: p50), ``steps_per_s`` (request steps per second, summed over instances),
 ``commands_per_s``, ``instances``, ``requests``.
 """
@@ -58,7 +59,8 @@ async def run_workers(args) -> None:
 
     class TimedWorker(WorkerService):
         """A worker that records the gap between its results and its next step: the arrival of the
-        next command, or, pipelined, the start of the step it held (no round trip)."""
+        next command (or of a held command that came late), or, pipelined, the start of the step it
+        held (no round trip)."""
 
         def __init__(self, *a, **kw) -> None:
             super().__init__(*a, **kw)
@@ -70,8 +72,12 @@ async def run_workers(args) -> None:
             self.flight: list[float] = []  # command issued -> it reaches this worker's callback
             self.request_steps = 0
             self.commands = 0  # steps run (commanded or pipelined)
-            self.pipelined = 0  # steps run from a held command
+            self.pipelined = 0  # steps run from a held command in hand when the step before ended
+            self.late = 0  # steps run from a held command that came after the step before ended
             self.measuring = False
+            self.measure_start = 0.0  # perf_counter when measuring began
+            self.idle_since: float | None = None  # results out, requests held, no step running since then
+            self.idle_s = 0.0  # of the measured window: seconds with requests held and no step running
 
         async def _on_command(self, msg) -> None:
             arrived, arrived_wall = time.perf_counter(), time.time()
@@ -85,16 +91,37 @@ async def run_workers(args) -> None:
                 self.last_sent = None
             await super()._on_command(msg)
 
+        def _run_late(self, held, headers) -> None:
+            """A held command that came after its step ended: when it runs, the step waited for it."""
+            arrived, before = time.perf_counter(), self.num_late_held
+            super()._run_late(held, headers)
+            if self.num_late_held > before:
+                if self.measuring and self.last_sent is not None:
+                    self.gaps.append(arrived - self.last_sent)
+                    self.round_trip_gaps.append(arrived - self.last_sent)
+                    self.late += 1
+                self.last_sent = None
+
         def _step_starting(self, command, continued: bool) -> None:
+            now = time.perf_counter()
             if continued and self.measuring and self.last_sent is not None:
-                self.gaps.append(time.perf_counter() - self.last_sent)
+                self.gaps.append(now - self.last_sent)
                 self.pipelined += 1
             self.last_sent = None
+            self.end_idle(now)
             if self.measuring:
                 self.commands += 1
 
         def _step_published(self, results) -> None:
             self.last_sent, self.last_sent_wall = time.perf_counter(), time.time()
+            if self.local:  # it holds requests, and (until its next step starts) the accelerator idles
+                self.idle_since = self.last_sent
+
+        def end_idle(self, now: float) -> None:
+            """The idle stretch since the last results, clipped to the measured window, is over."""
+            if self.measuring and self.idle_since is not None:
+                self.idle_s += max(now - max(self.idle_since, self.measure_start), 0.0)
+            self.idle_since = None
 
         async def _run(self, command):
             if args.step_ms > 0:  # the accelerator's time: the step waits, the CPU is free
@@ -125,27 +152,36 @@ async def run_workers(args) -> None:
     async def on_control(msg):
         command = msg.data.decode()
         if command == "start":
+            phase["start"] = time.perf_counter()
             for w in workers:
                 w.measuring = True
+                w.measure_start = phase["start"]
                 w.gaps.clear()
                 w.round_trip_gaps.clear()
                 w.to_issue.clear()
-                w.pipelined = w.commands = w.request_steps = 0
+                w.pipelined = w.late = w.commands = w.request_steps = 0
+                w.idle_s = 0.0
                 w.flight.clear()
-            phase["start"] = time.perf_counter()
             await msg.respond(b"ok")
         elif command == "stop":
-            elapsed = time.perf_counter() - phase["start"]
+            stopped = time.perf_counter()
+            elapsed = stopped - phase["start"]
             for w in workers:
+                if w.idle_since is not None:  # idle at the window's end: count it up to there
+                    w.end_idle(stopped)
+                    w.idle_since = stopped
                 w.measuring = False
             report = {
                 "gaps_s": [g for w in workers for g in w.gaps],
                 "round_trip_gaps_s": [g for w in workers for g in w.round_trip_gaps],
                 "pipelined": sum(w.pipelined for w in workers),
+                "late": sum(w.late for w in workers),
                 "to_issue_s": [g for w in workers for g in w.to_issue],
                 "flight_s": [g for w in workers for g in w.flight],
                 "request_steps": sum(w.request_steps for w in workers),
                 "commands": sum(w.commands for w in workers),
+                "idle_s": sum(w.idle_s for w in workers),
+                "instances": len(workers),
                 "elapsed_s": elapsed,
             }
             await msg.respond(json.dumps(report).encode())
@@ -159,6 +195,8 @@ async def run_workers(args) -> None:
     await control.wait()
     for w in workers:
         await w.stop()
+    # steps still running finish (a stopped worker goes on to no held command) before the connection goes
+    await asyncio.gather(*(t for w in workers for t in list(w._step_tasks)), return_exceptions=True)
     await nc.drain()
     await store.close()
 
@@ -274,10 +312,14 @@ async def run_scheduler_and_load(args, nats_url: str, redis_url: str, prefix: st
     measured = {"gaps_s": [g for p in parts for g in p["gaps_s"]],
                 "round_trip_gaps_s": [g for p in parts for g in p["round_trip_gaps_s"]],
                 "pipelined": sum(p["pipelined"] for p in parts),
+                "late": sum(p["late"] for p in parts),
                 "to_issue_s": [g for p in parts for g in p["to_issue_s"]],
                 "flight_s": [g for p in parts for g in p["flight_s"]],
                 "request_steps": sum(p["request_steps"] for p in parts),
                 "commands": sum(p["commands"] for p in parts),
+                "idle_s": sum(p["idle_s"] for p in parts),
+                # instance-seconds measured: each process's window times its instances
+                "instance_s": sum(p["elapsed_s"] * p["instances"] for p in parts),
                 "elapsed_s": max(p["elapsed_s"] for p in parts)}
     stop.set()
     await loader
@@ -299,9 +341,15 @@ async def run_scheduler_and_load(args, nats_url: str, redis_url: str, prefix: st
         "warmup_s": args.warmup,
         "duration_s": round(elapsed, 2),
         "overhead_ms": _percentiles_ms(measured["gaps_s"]),
-        # the steps that waited for a command from the scheduler (not pipelined): the round trip itself
+        # the steps that waited for a command from the scheduler (not pipelined): the round trip itself,
+        # or a held command that came after the step it follows had ended
         "overhead_round_trip_ms": _percentiles_ms(measured["round_trip_gaps_s"]),
         "pipelined_share": measured["pipelined"] / max(measured["commands"], 1),
+        # steps that waited for a held command, sent before the step they follow ended (no pass between)
+        "late_held_share": measured["late"] / max(measured["commands"], 1),
+        # the accelerator's idle time while work is there: the share of each instance's measured wall
+        # time in which it held requests but ran no step (results out, next step not started), summed
+        "gpu_idle_share": measured["idle_s"] / max(measured["instance_s"], 1e-9),
         # where the overhead goes (wall clocks of the two processes, same machine): results published
         # -> the scheduler issues the next command (results hop, decode, scheduling pass, dispatch);
         # command issued -> it reaches the worker (outbox, command hop, the worker's loop)

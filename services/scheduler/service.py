@@ -214,6 +214,7 @@ class SchedulerService:
         self._outbox: list[tuple[str, bytes, dict | None]] = []  # step commands to publish, in order
         self._outbox_task: asyncio.Task | None = None
         self._deferred: list[Callable[[], None]] = []  # work to run once the queued commands are written
+        self._owed: PendingResults | None = None  # results handled whose pass is queued in _deferred, merged
         self._threshold_samples: list[float] = []  # step thresholds not yet in the histogram
         self._predictor_down_until = 0.0  # no predict calls before this (the last one got no reply)
 
@@ -596,10 +597,18 @@ class SchedulerService:
         self._carry_out(passed.decisions)
         if not passed.pending.instance_ids:
             return
-        if self.core.config.overlap:
-            self._after_dispatch(lambda: self._finish_results(passed.pending))
-        else:
+        if not self.core.config.overlap:
             self._finish_results(passed.pending)
+        elif self._owed is None:
+            self._owed = passed.pending
+            self._after_dispatch(self._finish_owed)
+        else:  # one pass for all the results handled before it runs (one pass per wake-up)
+            self._owed.merge(passed.pending)
+
+    def _finish_owed(self) -> None:
+        pending, self._owed = self._owed, None
+        if pending is not None:
+            self._finish_results(pending)
 
     def _finish_results(self, pending: PendingResults) -> None:
         if self._waits_for_predictions(pending.stepped_ids):
@@ -633,12 +642,13 @@ class SchedulerService:
                                failure.reason)
         outcomes = tuple(
             StepOutcome(r.request_id, len(r.committed_positions), r.block_done, r.finished,
-                        r.kind == StepKind.RECOMPUTE, state_version=r.state_version, confidence=r.confidence.as_tuple)
+                        r.kind == StepKind.RECOMPUTE, state_version=r.state_version, confidence=r.confidence.as_tuple,
+                        num_masked=r.num_masked)
             for r in results.results)
         return BatchOutcome(results.instance_id, outcomes, results.duration_s, step_id=results.step_id,
                             failed_ids=tuple(f.request_id for f in results.failures if f.kind != FailureKind.KV_FULL),
                             kv_full_ids=tuple(f.request_id for f in results.failures if f.kind == FailureKind.KV_FULL),
-                            continued_step_id=results.continued_step_id)
+                            continued_step_id=results.continued_step_id, awaits_held=results.awaits_held)
 
     def _observe_results(self, results: StepResults, now: float) -> None:
         """Metrics of one worker's results: thresholds, outputs (TTFT, inter-token), finishes."""

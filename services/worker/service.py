@@ -11,7 +11,9 @@ A thin loop around the engine (``services/worker/engine.py``, or ``tp.py`` for d
   write becomes a ``StepFailure`` (the state in Redis is unchanged). Commands with no items only
   drop local copies (requests that moved elsewhere). A conditional command (``after_step_id``, sent
   while that step runs) is held and run the moment the step ends if the batch is unchanged: no
-  round trip between the two steps (pipelining; the results' ``continued_step_id`` says so).
+  round trip between the two steps (pipelining; the results' ``continued_step_id`` says so). Where
+  none had come by then (``awaits_held``), the first one for that step that comes and passes the
+  rule runs on arrival (the scheduler judges the same, and expects its results).
 - Events: a ``RequestProgress`` per step for streaming requests (``text_delta``: the text of the
   block this step completed) and ``RequestFinished`` with the answer and its ``Usage`` when a request
   finishes; the worker has the tokenizer and the canvas at hand, so it is the one that publishes them.
@@ -145,7 +147,11 @@ class WorkerService:
         self._open_steps: set[int] = set()  # steps commanded (or continued into) whose results are not out yet
         self._next: dict[int, tuple[StepCommand, dict | None]] = {}  # open step id -> the command for the step after it
         self.num_continued = 0  # steps run from a held conditional command
-        self.num_late_next = 0  # conditional commands that came after their step had ended
+        self.num_late_next = 0  # conditional commands that came after their step had ended (and did not run)
+        self.num_late_held = 0  # steps run from a conditional command that came after its step had ended
+        # the last step, if it ended with no conditional command in hand (its results say awaits_held):
+        # (its command, its results); the first one for it that comes and passes the rule runs then
+        self._awaiting: tuple[StepCommand, StepResults] | None = None
         self._step_tasks: set[asyncio.Task] = set()  # steps running or waiting for the lock
         self._stopped = asyncio.Event()
         self._drain_expired = False  # drain_timeout_s passed: leave between two steps
@@ -295,29 +301,36 @@ class WorkerService:
         if command.after_step_id:
             self._hold_next(command, msg.headers)
             return
+        if command.items:
+            self._awaiting = None  # the scheduler decided the next step itself
+            self._open_steps.add(command.step_id)
+        self._start(command, msg.headers)
+
+    def _start(self, command: StepCommand, headers: dict | None, continued: bool = False) -> None:
         # the step runs in its own task: the subscription hands over its next message (a conditional
         # command for the step after this one) while this one runs; the lock keeps commands in order
-        if command.items:
-            self._open_steps.add(command.step_id)
-        task = asyncio.create_task(self._execute(command, msg.headers), name=f"step-{command.step_id}")
+        task = asyncio.create_task(self._execute(command, headers, continued), name=f"step-{command.step_id}")
         self._step_tasks.add(task)
         task.add_done_callback(self._step_tasks.discard)
 
-    async def _execute(self, command: StepCommand, headers: dict | None) -> None:
+    async def _execute(self, command: StepCommand, headers: dict | None, continued: bool = False) -> None:
         try:
-            await self._execute_steps(command, headers)
+            await self._execute_steps(command, headers, continued)
         except Exception:  # noqa: BLE001 (a bug must not stop the worker: the scheduler times the step out)
             logger.exception("step %d failed", command.step_id)
             self._open_steps.clear()  # nothing held goes on after a step that failed this way
             self._next.clear()
+            self._awaiting = None
 
-    async def _execute_steps(self, command: StepCommand, headers: dict | None) -> None:
+    async def _execute_steps(self, command: StepCommand, headers: dict | None, continued: bool = False) -> None:
         async with self._lock:
             for rid in command.drop_request_ids:
                 self._forget(rid)
             step: tuple[StepCommand, dict | None] | None = (command, headers)
-            continued = False
             while step is not None and step[0].items:
+                if step[0] is not command:  # a held command went on: it drops what left the instance
+                    for rid in step[0].drop_request_ids:
+                        self._forget(rid)
                 command, headers = step
                 self._step_starting(command, continued)
                 # the batched step: a child of the scheduler's step_command span (NATS headers)
@@ -332,6 +345,8 @@ class WorkerService:
                     if step is not None:
                         results = msgspec.structs.replace(results, continued_step_id=step[0].step_id)
                         self.num_continued += 1
+                    elif self._awaiting is not None and self._awaiting[0] is command:
+                        results = msgspec.structs.replace(results, awaits_held=True)
                     await self.nc.publish(self._results_subject,
                                           codec.encode(results, self.settings.max_payload_bytes))
                     self._step_published(results)
@@ -346,18 +361,37 @@ class WorkerService:
     # --- pipelining: the scheduler's command for the step after the running one -------------------
 
     def _hold_next(self, command: StepCommand, headers: dict | None) -> None:
-        """Keep a conditional command until the step it follows ends (a late one is dropped: its
-        step's results have gone out saying the worker did not go on)."""
+        """Keep a conditional command until the step it follows ends. One that comes after that step
+        ended with none in hand runs now if it passes the rule (the scheduler, judging the same on the
+        results, expects it); any other late one is dropped (its step's results have gone out saying
+        the worker did not go on)."""
         if command.after_step_id in self._open_steps:
             self._next[command.after_step_id] = (command, headers)
+        elif self._awaiting is not None and self._awaiting[0].step_id == command.after_step_id:
+            self._run_late(command, headers)
         else:
             self.num_late_next += 1
 
+    def _run_late(self, held: StepCommand, headers: dict | None) -> None:
+        """A conditional command that came after its step ended with none in hand: run it if it passes
+        the rule; else a later one for the same step may still (the scheduler sent them in order)."""
+        step, results = self._awaiting
+        nxt = held_step(step, held, results.results, len(results.failures))
+        if nxt is None or self.status == WorkerStatus.STOPPING:  # stopping: the scheduler hears it leave
+            self.num_late_next += 1
+            return
+        self._awaiting = None
+        self.num_late_held += 1
+        self._open_steps.add(nxt.step_id)
+        self._start(nxt, headers, continued=True)
+
     def _take_next(self, command: StepCommand, results: StepResults) -> tuple[StepCommand, dict | None] | None:
         """The held command for the step after ``command``'s, if nothing about the batch changed
-        (``shared.pipelining.held_step``)."""
+        (``shared.pipelining.held_step``); with none in hand, the step awaits one (``_run_late``)."""
         held = self._next.pop(command.step_id, None)
         self._open_steps.discard(command.step_id)  # a conditional command arriving from here on is late
+        if held is None and self.status == WorkerStatus.READY and command.items:
+            self._awaiting = (command, results)
         if held is None or self.status != WorkerStatus.READY:
             return None
         nxt = held_step(command, held[0], results.results, len(results.failures))
@@ -367,7 +401,8 @@ class WorkerService:
         return nxt, held[1]
 
     def _step_starting(self, command: StepCommand, continued: bool) -> None:
-        """Hook: a step is about to run (``continued``: from a held command, with no round trip)."""
+        """Hook: a step is about to run (``continued``: from a held command, in hand when the step before
+        ended, with no round trip; or one that came later, ``_run_late``)."""
 
     def _step_published(self, results: StepResults) -> None:
         """Hook: a step's results were published."""

@@ -38,11 +38,13 @@ class StepCommand(Message, kw_only=True):
     issued_at: float  # unix time (s) the scheduler published the command
     # pipelining: nonzero makes this a conditional command for the step right after step
     # ``after_step_id`` on this instance. The worker keeps it until that step ends, then runs it at once
-    # (no round trip to the scheduler) if that step's requests are exactly this command's, all
+    # (no round trip to the scheduler) if that step's requests are all in this command, all
     # stepped, none completed its block (unless its item says ``may_start_block``) or finished
-    # (unless ``drop_finished``), and each has at least ``min_masked`` masked tokens left; otherwise
-    # it discards it. Its results say which happened (``continued_step_id``). A later conditional
-    # command for the same step replaces an earlier one.
+    # (unless ``drop_finished``), and each has at least ``min_masked`` masked tokens left; its other
+    # items (``load_state``) join from the store; otherwise it discards it. Its results say which
+    # happened (``continued_step_id``). A later conditional command for the same step replaces an
+    # earlier one. One that comes after its step ended runs on arrival if none had come by then and it
+    # passes the rule (``StepResults.awaits_held``; the rule: ``shared.pipelining``).
     after_step_id: int = 0  # 0: run on arrival; else the step this conditional command follows
     min_masked: int = 0  # the condition above (with after_step_id)
     drop_finished: bool = False  # with after_step_id: requests that finished are left out, the rest go on
@@ -94,6 +96,8 @@ class StepResults(Message, kw_only=True):
     duration_s: float  # forward time, load and save of state included
     num_loaded: int = 0  # requests whose state was loaded from Redis before the step
     continued_step_id: int = 0  # nonzero: the worker went straight on to this conditional command's step
+    # the scheduler, judging the conditional commands it sent by the same rule, expects that step's results
+    awaits_held: bool = False  # none had come when it ended: the first that comes and passes runs on arrival
 
     @property
     def batch_size(self) -> int:

@@ -40,6 +40,10 @@ def test_control_plane_bench_writes_its_summary(tmp_path):
     # pipelining: some steps ran from a command held by the worker, the rest waited for one
     assert report["scheduler_counters"]["pipelined_steps"] > 0 and 0 < report["pipelined_share"] < 1
     assert report["overhead_round_trip_ms"]["samples"] > 0
+    # the instances' time with requests held and no step running: a share of their wall time
+    assert 0 <= report["gpu_idle_share"] <= 1
+    # steps run from a held command that came after the step before had ended (none in hand then)
+    assert 0 <= report["late_held_share"] <= 1 - report["pipelined_share"]
     # the 8 requests run as two batches of about 4: a dispatch that splits an instance's requests into
     # two half batches taking turns (an early dispatch once did) halves this
     assert report["mean_batch"] >= 0.7 * report["requests"] / report["instances"]

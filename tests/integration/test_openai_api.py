@@ -339,7 +339,10 @@ def test_a_stream_queued_longer_than_the_clients_read_timeout_gets_its_answer(st
 
 def test_metrics_of_the_gateway_scheduler_and_a_worker_carry_model_name(stack, sdk, problems):
     url, metrics, _ = stack
-    list(sdk.completions.create(model=MODEL, prompt=problems[Family.ADD][2].prompt, stream=True))
+    # an answer of several blocks, so that the inter-token histograms have a sample whatever ran before
+    problem = max(problems[Family.WORDS], key=lambda p: len(p.answer))
+    chunks = list(sdk.completions.create(model=MODEL, prompt=problem.prompt, stream=True))
+    assert sum(1 for c in chunks if c.choices and c.choices[0].text) >= 2, chunks
     label = f'model_name="{MODEL}"'
     gateway = _scrape(f"{url}/metrics")
     scheduler = _scrape(f"http://127.0.0.1:{metrics}/metrics")

@@ -71,9 +71,10 @@ class Bench:
         )
         return await self.store.create(record)
 
-    async def send(self, step_id: int, items: list[StepItem], after: int = 0, min_masked: int = 0) -> None:
+    async def send(self, step_id: int, items: list[StepItem], after: int = 0, min_masked: int = 0,
+                   drop: tuple[str, ...] = ()) -> None:
         command = StepCommand(instance_id=INSTANCE, step_id=step_id, items=items, issued_at=time.time(),
-                              after_step_id=after, min_masked=min_masked)
+                              after_step_id=after, min_masked=min_masked, drop_request_ids=list(drop))
         await self.nc.publish(self.subjects.step(INSTANCE), codec.encode(command))
 
     async def wait_results(self, count: int, timeout_s: float = 10.0) -> list[StepResults]:
@@ -187,6 +188,59 @@ def test_finished_requests_are_left_out_only_when_allowed(nats_server, redis_ser
             assert [(r.step_id, r.continued_step_id) for r in results] == [(40, 0), (42, 43), (43, 0)]
             assert [r.finished for r in results[1].results] == [True, False]
             assert [r.request_id for r in results[2].results] == ["other1"]  # the rest went on alone
+        finally:
+            await bench.close()
+
+    run(main())
+
+
+def test_a_held_command_that_comes_after_its_step_ended_runs_on_arrival(nats_server, redis_server, unique_prefix):
+    """None in hand when the step ended (the results say ``awaits_held``): the first one that comes and
+    passes the rule runs at once (the scheduler judges the same); a request new to the instance joins
+    it from the store."""
+    async def main():
+        bench = Bench(nats_server.url, redis_server.url, unique_prefix)
+        await bench.start()
+        try:
+            a, b = await bench.request("a"), await bench.request("b")
+            await bench.send(30, [StepItem(request_id="a", threshold=0.9, state_version=a.version)])
+            [first] = await bench.wait_results(1)
+            assert first.awaits_held and first.continued_step_id == 0
+            joined = [StepItem(request_id="a", threshold=0.7, state_version=a.version + 1),
+                      StepItem(request_id="b", threshold=0.9, state_version=b.version, load_state=True)]
+            await bench.send(31, joined, after=30)
+            results = await bench.wait_results(2)
+            assert results[1].step_id == 31 and [r.request_id for r in results[1].results] == ["a", "b"]
+            assert [r.threshold for r in results[1].results] == [0.7, 0.9]
+            assert bench.worker.num_late_held == 1 and bench.worker.num_continued == 0
+            # another one for the same step: that step went on already
+            await bench.send(32, [StepItem(request_id="a", threshold=0.7, state_version=a.version + 1)], after=30)
+            await asyncio.sleep(0.5)
+            assert len(bench.results) == 2 and bench.worker.num_late_next == 1
+            assert (await bench.store.load("a")).num_steps == 2
+        finally:
+            await bench.close()
+
+    run(main())
+
+
+def test_a_held_command_drops_the_requests_that_left_the_instance(nats_server, redis_server, unique_prefix):
+    """A request that moved away (migrated, preempted, cancelled) while the instance goes from one held
+    step to the next: the held command that runs drops its copy and KV cache, as a plain command would."""
+    async def main():
+        bench = Bench(nats_server.url, redis_server.url, unique_prefix)
+        await bench.start()
+        try:
+            a, gone = await bench.request("a"), await bench.request("gone")
+            await bench.send(40, [StepItem(request_id="gone", threshold=0.9, state_version=gone.version)])
+            await bench.wait_results(1)
+            assert "gone" in bench.worker.local
+            await bench.send(41, [StepItem(request_id="a", threshold=0.9, state_version=a.version, load_state=True)])
+            await bench.send(42, [StepItem(request_id="a", threshold=0.9, state_version=a.version + 1)], after=41,
+                             drop=("gone",))
+            results = await bench.wait_results(3)
+            assert results[1].continued_step_id == 42 and results[2].step_id == 42
+            assert "gone" not in bench.worker.local and "a" in bench.worker.local
         finally:
             await bench.close()
 

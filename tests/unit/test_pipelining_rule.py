@@ -57,3 +57,27 @@ def test_block_starts_and_finished_requests_where_the_command_allows_them():
     assert held_step(STEP, held(may_start_block=True), outcomes(a={"block_done": True})) is not None
     nxt = held_step(STEP, held(), outcomes(b={"finished": True}))
     assert [it.request_id for it in nxt.items] == ["a"]
+
+
+def joined(load_state: bool = True, drop: str = "") -> StepCommand:
+    """The held command with request ``c``, placed on the instance while the step ran (less ``drop``)."""
+    command = held()
+    items = [it for it in command.items if it.request_id != drop]
+    items.append(StepItem(request_id="c", threshold=0.6, state_version=1, load_state=load_state))
+    return StepCommand(instance_id="i0", step_id=2, issued_at=0.0, items=items, after_step_id=1, drop_finished=True)
+
+
+def test_a_request_placed_while_the_step_ran_joins_the_batch_from_the_store():
+    nxt = held_step(STEP, joined(), outcomes())
+    assert nxt is not None and [(it.request_id, it.load_state) for it in nxt.items] == [
+        ("a", False), ("b", False), ("c", True)]
+    only = held_step(STEP, joined(), outcomes(a={"finished": True}, b={"finished": True}))
+    assert [it.request_id for it in only.items] == ["c"]  # the stepped ones finished: the newcomer goes on
+
+
+@pytest.mark.parametrize("command", [
+    joined(load_state=False),  # not in the step, yet not loaded: a state this instance cannot have
+    joined(drop="b"),  # a request of the step is missing (it moved): the scheduler decides
+])
+def test_a_newcomer_does_not_hide_a_changed_batch(command):
+    assert held_step(STEP, command, outcomes()) is None

@@ -76,6 +76,7 @@ class StepOutcome:
     prediction: Prediction | None = None  # fresh remaining-step prediction, if one came with it
     state_version: int = 0  # version of the stored state after the step (0: not told)
     confidence: tuple[float, ...] | None = None  # (min, q25, median, mean, q75) of the block still masked
+    num_masked: int = 0  # masked positions left in its canvas (0: not told; the held-step rule reads it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,3 +91,4 @@ class BatchOutcome:
     failed_ids: tuple[str, ...] = ()  # requests of the command that did not step (stale or missing state)
     kv_full_ids: tuple[str, ...] = ()  # requests the worker refused: their KV cache would not fit its budget
     continued_step_id: int = 0  # the instance went straight on to this held command (pipelining)
+    awaits_held: bool = False  # no held command had come when the step ended: the first that passes runs on arrival

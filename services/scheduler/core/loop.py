@@ -34,6 +34,12 @@ class Continuation:
     continued_ids: list[str] = field(default_factory=list)
     needs_pass: bool = False
 
+    def merge(self, later: Continuation) -> None:
+        """Both continuations, their replanning owed by one pass."""
+        self.decisions.assignments += later.decisions.assignments
+        self.continued_ids = list(dict.fromkeys(self.continued_ids + later.continued_ids))
+        self.needs_pass = self.needs_pass or later.needs_pass
+
 
 class SchedulingLoop:
     def __init__(self, policy: Policy, view: ClusterView | None = None, preemptor: Preemptor | None = None) -> None:

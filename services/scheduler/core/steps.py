@@ -12,8 +12,11 @@ migration. Around it, this module decides what a step *is* and when it goes:
   continued requests' next thresholds (``SchedulingLoop.replan``) come after (``finish_results``);
 - **pipelining** (``StepConfig.pipelining``, with overlap): while a step runs, the command for the
   step after it (``StepCommand.after_step_id``), at the thresholds chosen so far, where a pass could
-  not place anything else on that instance; re-sent when ``replan`` changed a threshold. So a
-  pipelined step runs at the thresholds replanned after the step before last;
+  not place anything else on that instance: sent with the step, and as soon as the worker is known
+  to have gone on by itself (the critical path), and again when ``replan`` changed a threshold or a
+  request was placed there meanwhile (it joins the held step). So a pipelined step runs at the
+  thresholds replanned after the step before last (two before, when the replanned command comes
+  after the step it follows has ended);
 - **catch-up**: a worker that went on by itself (``BatchOutcome.continued_step_id``) is mirrored in
   the view at the thresholds it ran; a lost or failed step is re-run once the driver has reloaded the
   request's stored state (``reloaded``: counters catch up with steps stored but never reported).
@@ -37,6 +40,7 @@ from services.scheduler.core.loop import Continuation, SchedulingLoop
 from services.scheduler.core.request import CacheMode, Prediction, Request, RequestStatus
 from shared.messages.predictor import PredictionQuery
 from shared.messages.steps import StepCommand, StepItem
+from shared.pipelining import held_step_after
 from shared.profiles import LatencyProfile
 
 _RUNNABLE = (RequestStatus.RUNNING, RequestStatus.MIGRATING)
@@ -88,6 +92,18 @@ class PendingResults:
     stepped_ids: list[str]  # requests that stepped and go on (ask for their predictions)
     continuation: Continuation | None = None  # overlap: what went on before the pass
 
+    def merge(self, later: PendingResults) -> None:
+        """Owe one pass for both (results handled one after the other before their pass ran: the pass
+        re-plans all their requests at once, as for results that arrived together)."""
+        self.instance_ids = list(dict.fromkeys(self.instance_ids + later.instance_ids))
+        self.stepped_ids = list(dict.fromkeys(self.stepped_ids + later.stepped_ids))
+        if self.continuation is not None and later.continuation is not None:
+            self.continuation.merge(later.continuation)
+        else:  # one of them owes a full pass (no continuation): the merged one does
+            self.continuation = self.continuation or later.continuation
+            if self.continuation is not None:
+                self.continuation.needs_pass = True
+
 
 @dataclass(slots=True)
 class ResultsPass:
@@ -117,8 +133,9 @@ class InstanceSteps:
     in_flight_ids: list[str] = field(default_factory=list)  # the requests of that command
     drop_ids: list[str] = field(default_factory=list)  # to drop with the next command
     # pipelining: held commands sent for the step after the one in flight: step id -> ((request id,
-    # threshold, may start a block) items, drop_finished); and the latest one's id (0: none)
-    next_sent: dict[int, tuple[list[tuple[str, float, bool]], bool]] = field(default_factory=dict)
+    # threshold, may start a block) items, drop_finished, the command), in the order sent; and the
+    # latest one's id (0: none)
+    next_sent: dict[int, tuple[list[tuple[str, float, bool]], bool, StepCommand]] = field(default_factory=dict)
     next_step_id: int = 0
 
 
@@ -134,8 +151,10 @@ class StepScheduler:
         self._step_seq = first_step_id
         self._instances: dict[str, InstanceSteps] = {}  # instance id -> its step state
         self._dirty: dict[str, None] = {}  # instances that may have a command to send (ordered set)
-        self.counters = {"continued_steps": 0, "pipelined_steps": 0, "migrations": 0, "failed_steps": 0,
-                         "lost_steps": 0, "recovered_steps": 0, "preemptions": 0, "kv_refused_steps": 0}
+        self._resend: dict[str, None] = {}  # busy ones among them whose held command may have changed
+        self.counters = {"continued_steps": 0, "pipelined_steps": 0, "late_held_steps": 0, "migrations": 0,
+                         "failed_steps": 0, "lost_steps": 0, "recovered_steps": 0, "preemptions": 0,
+                         "kv_refused_steps": 0}
 
     # --- events ----------------------------------------------------------------------------------
 
@@ -314,29 +333,44 @@ class StepScheduler:
             self._dirty[preemption.instance_id] = None
 
     def _release(self, now: float, result: BatchOutcome, notes: list[str]) -> list[tuple[str, float]] | None:
-        """Free the instance after its step, or keep it busy with the held command its worker ran;
-        returns that command's (request id, threshold) pairs, None when the worker did not go on."""
+        """Free the instance after its step, or keep it busy with the held command its worker ran (or
+        runs on arrival: ``_late_held``); returns that command's (request id, threshold) pairs, None
+        when the worker does not go on."""
         st = self._instances[result.instance_id]
         sent = st.next_sent
         st.next_sent, st.next_step_id = {}, 0
-        if not result.continued_step_id:
+        continued_id = result.continued_step_id or self._late_held(st, sent, result)
+        if not continued_id:
             # freed once its pass is done (finish_results), or now if overlap continues it: a command
             # sent before the pass would carry only the requests placed there earlier, and the rest
             # would wait a step (an instance's requests taking turns in two half batches)
             st.settling = True
             return None
-        items, _ = sent.get(result.continued_step_id, (None, True))
+        items, _, command = sent.get(continued_id, (None, True, None))
+        if command is not None and command.drop_request_ids:  # the worker dropped them as it went on
+            st.drop_ids = [rid for rid in st.drop_ids if rid not in command.drop_request_ids]
         if items is None:  # only across a scheduler restart: go by the step's own requests
-            notes.append(f"instance {result.instance_id} went on to step {result.continued_step_id}, which this "
+            notes.append(f"instance {result.instance_id} went on to step {continued_id}, which this "
                          "scheduler did not send")
             items = [(rid, float(r.threshold), False) for rid in st.in_flight_ids
                      if (r := self.view.requests.get(rid)) is not None and r.threshold is not None]
         finished = {o.request_id for o in result.outcomes if o.finished}  # left out of it
         pairs = [(rid, threshold) for rid, threshold, _ in items if rid not in finished]
-        st.busy_step_id, st.busy_since = result.continued_step_id, now
+        st.busy_step_id, st.busy_since = continued_id, now
         st.in_flight_ids = [rid for rid, _ in pairs]
-        self.counters["pipelined_steps"] += 1
+        self.counters["pipelined_steps" if result.continued_step_id else "late_held_steps"] += 1
         return pairs
+
+    def _late_held(self, st: InstanceSteps, sent: dict, result: BatchOutcome) -> int:
+        """The held command the worker runs when it arrives, after the step it follows ended with none
+        in hand (``awaits_held``): the first sent that passes the rule on these results (0: none)."""
+        if not result.awaits_held:
+            return 0
+        num_failed = len(result.failed_ids) + len(result.kv_full_ids)
+        for _, _, command in sent.values():
+            if held_step_after(len(st.in_flight_ids), command, result.outcomes, num_failed) is not None:
+                return command.step_id
+        return 0
 
     def _settle(self, instance_id: str) -> None:
         """An instance whose results are in is free for its next command."""
@@ -353,6 +387,7 @@ class StepScheduler:
             self._drop_preempted(preemption)
         for a in decisions.assignments:
             self._dirty[a.instance_id] = None
+            self._resend[a.instance_id] = None
             if a.is_migration:
                 out.migrations.append(a)
                 self.counters["migrations"] += 1
@@ -364,19 +399,23 @@ class StepScheduler:
 
     def _dispatch(self, now: float) -> list[StepCommand]:
         """A command for every idle instance with runnable requests; drop-only commands for idle
-        instances that requests left."""
-        commands = []
+        instances that requests left; after them, the held command for the step after the running one
+        on busy instances that requests were placed on or continued on since it was sent."""
+        commands, held = [], []
         dirty, self._dirty = self._dirty, {}
+        resend, self._resend = self._resend, {}
         for iid in dirty:
             st = self._instances.setdefault(iid, InstanceSteps()) if iid in self.view.instances else None
             if st is None or st.busy_step_id is not None:
                 if st is not None:
                     self._dirty[iid] = None  # busy: looked at again when it is released
+                    if iid in resend:
+                        held += self._send_next(now, iid)
                 continue
             items = self._batch(iid)
             if items or st.drop_ids:
                 commands += self._send(now, iid, st, items)
-        return commands
+        return commands + held
 
     def _batch(self, instance_id: str) -> list[StepItem]:
         """Batch composition: the requests on the instance whose next step is assigned."""
@@ -410,15 +449,21 @@ class StepScheduler:
         thresholds. The worker runs it the moment its step ends if the batch is unchanged: a request
         that completed its block goes on only if the policy would keep it here at its block start
         (``may_start_block``, asked now); one that finished is left out when the queue is empty
-        (``drop_finished``: no one waits for its slot), else the worker waits for a pass. Sent only
-        where a pass could not place anything else there: every request on the instance is in the
-        step, and the queue is empty or the instance full. Re-sent when the thresholds changed."""
+        (``drop_finished``: no one waits for its slot), else the worker waits for a pass. Requests
+        placed there while the step runs, new to the instance (no holder), join it: loaded from the
+        store, as the pass's command would load them, so an arrival costs the instance no round
+        trip. Sent only where a pass could not place anything else there: every request on the
+        instance is in the step or joins it, and the queue is empty or the instance full. Sent
+        again when its batch or thresholds changed (a later held command replaces the earlier)."""
         st = self._instances.get(instance_id)
         inst = self.view.instances.get(instance_id)
-        if (not self.config.pipelines or st is None or st.busy_step_id is None or inst is None or not inst.alive
-                or len(inst.resident_ids) != len(st.in_flight_ids)
-                or (self.view.num_queued > 0 and inst.batch < inst.max_batch)):
+        if (not self.config.pipelines or st is None or st.busy_step_id is None or st.settling or inst is None
+                or not inst.alive or (self.view.num_queued > 0 and inst.batch < inst.max_batch)):
             return []
+        in_flight = set(st.in_flight_ids)
+        joining = [rid for rid in inst.resident_ids if rid not in in_flight]
+        if len(inst.resident_ids) - len(joining) != len(st.in_flight_ids):
+            return []  # a request of the step left the instance: the pass decides what comes next
         stays = self.loop.would_stay(instance_id, st.in_flight_ids)
         pairs = []
         for rid in st.in_flight_ids:
@@ -427,17 +472,30 @@ class StepScheduler:
                     or r.threshold is None):
                 return []
             pairs.append((rid, float(r.threshold), rid in stays))
+        for rid in joining:
+            r = self.view.requests[rid]
+            if r.status not in _RUNNABLE or r.reloading or r.holder_id is not None or r.threshold is None:
+                return []
+            pairs.append((rid, float(r.threshold), False))
         drop_finished = self.view.num_queued == 0
-        if st.next_step_id and st.next_sent[st.next_step_id] == (pairs, drop_finished):
+        if st.next_step_id and st.next_sent[st.next_step_id][:2] == (pairs, drop_finished):
             return []  # the held command is already this one
         self._step_seq += 1
-        # the step in flight writes one version on top of the one it started from
-        items = [StepItem(request_id=rid, threshold=threshold, state_version=self.view.requests[rid].state_version + 1,
-                          may_start_block=may_start) for rid, threshold, may_start in pairs]
+        # the step in flight writes one version on top of the one it started from; joiners start
+        # from their stored version
+        num_stepping = len(st.in_flight_ids)
+        items = [StepItem(request_id=rid, threshold=threshold, may_start_block=may_start,
+                          state_version=self.view.requests[rid].state_version + (i < num_stepping),
+                          load_state=i >= num_stepping)
+                 for i, (rid, threshold, may_start) in enumerate(pairs)]
+        # requests that left the instance go with it (kept here until it is known to have run: a held
+        # command that does not run leaves them to the next command)
+        command = StepCommand(instance_id=instance_id, step_id=self._step_seq, items=items, issued_at=now,
+                              after_step_id=st.busy_step_id, drop_finished=drop_finished,
+                              drop_request_ids=list(st.drop_ids))
         st.next_step_id = self._step_seq
-        st.next_sent[self._step_seq] = (pairs, drop_finished)
-        return [StepCommand(instance_id=instance_id, step_id=self._step_seq, items=items, issued_at=now,
-                            after_step_id=st.busy_step_id, drop_finished=drop_finished)]
+        st.next_sent[self._step_seq] = (pairs, drop_finished, command)
+        return [command]
 
     def _check_drained(self, now: float, instance_id: str) -> StepDecisions:
         """A draining instance with no request left and no step in flight leaves the view."""

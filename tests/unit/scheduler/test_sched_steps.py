@@ -38,14 +38,15 @@ def held(decisions):
     return [c for c in decisions.commands if c.after_step_id]
 
 
-def report(command, *, num: int = 1, block_done=(), finished=(), failed=(), continued: int = 0) -> BatchOutcome:
+def report(command, *, num: int = 1, block_done=(), finished=(), failed=(), continued: int = 0,
+           awaits_held: bool = False) -> BatchOutcome:
     """What the worker says after running ``command``: each item stepped (one stored version more)."""
     outcomes = tuple(
         StepOutcome(it.request_id, num, it.request_id in block_done, it.request_id in finished, False,
                     state_version=it.state_version + 1, confidence=(0.5, 0.6, 0.7, 0.7, 0.8))
         for it in command.items if it.request_id not in failed)
     return BatchOutcome(command.instance_id, outcomes, 0.1, step_id=command.step_id, failed_ids=tuple(failed),
-                        continued_step_id=continued)
+                        continued_step_id=continued, awaits_held=awaits_held)
 
 
 def step(core: StepScheduler, now: float, command, predictions=None, **kwargs):
@@ -188,7 +189,32 @@ def test_pipelining_holds_the_step_after_the_running_one_where_no_pass_could_cha
     out = arrive(busy, "a", "b", "c")
     assert held(out)  # room but no queue
     more = arrive(busy, "d", "e")  # d fills the instance (RUNNING, not in the step), e queues
-    assert held(more) == []
+    [nxt] = held(more)  # a pass could place nothing else there: d joins the held step, loaded from the store
+    assert [(it.request_id, it.load_state) for it in nxt.items] == [
+        ("a", False), ("b", False), ("c", False), ("d", True)]
+    assert nxt.items[-1].state_version == 1  # its stored version: it did not step
+    assert not nxt.drop_finished  # e waits for a finished request's slot
+
+
+def test_a_request_placed_while_an_instance_runs_joins_its_held_step():
+    """Not a round trip for every arrival: the held command is sent again with the new request."""
+    core = make_core(PIPELINED)
+    out = arrive(core, "a", "b")
+    [step_a], [first_held] = plain(out), held(out)
+    more = arrive(core, "c", now=0.05)
+    assert plain(more) == []  # the instance is busy
+    [nxt] = held(more)  # replaces the first one
+    assert nxt.after_step_id == step_a.step_id and nxt.step_id > first_held.step_id
+    assert [(it.request_id, it.load_state) for it in nxt.items] == [("a", False), ("b", False), ("c", True)]
+    # the worker went on to it: c is in flight with the others, and mirrored as such
+    first = core.on_results(0.1, [report(step_a, continued=nxt.step_id)])
+    assert core._instances["i0"].in_flight_ids == ["a", "b", "c"] and core.busy("i0")
+    assert core.view.requests["c"].status == RequestStatus.RUNNING
+    [after] = held(first.decisions)  # the step after it goes at once, on the critical path
+    assert after.after_step_id == nxt.step_id and not any(it.load_state for it in after.items)
+    core.finish_results(0.1, first.pending)
+    second = core.on_results(0.2, [report(nxt)])  # c's first step reported: READY, held by i0
+    assert core.view.requests["c"].holder_id == "i0" and second.ignored == []
 
 
 def test_a_pipelined_step_runs_at_the_threshold_replanned_after_the_step_before_last():
@@ -206,6 +232,70 @@ def test_a_pipelined_step_runs_at_the_threshold_replanned_after_the_step_before_
     assert step_c.after_step_id == step_b.step_id
     assert all(it.threshold < top for it in step_c.items)
     assert [it.state_version for it in step_c.items] == [it.state_version + 2 for it in step_a.items]
+
+
+def test_a_held_command_that_came_late_is_expected_where_the_rule_lets_it_run():
+    """The worker had none in hand when its step ended (``awaits_held``): it runs the first held command
+    for that step that passes the rule when it comes; the core judges the same and waits for it."""
+    core = make_core(PIPELINED)
+    out = arrive(core, "r0", "r1")
+    [step_a], [step_b] = plain(out), held(out)
+    first = core.on_results(0.1, [report(step_a, awaits_held=True)])
+    assert core.busy("i0") and core._instances["i0"].busy_step_id == step_b.step_id
+    assert core.counters["late_held_steps"] == 1 and core.counters["pipelined_steps"] == 0
+    assert {core.view.requests[r].status for r in ("r0", "r1")} == {RequestStatus.RUNNING}
+    [step_c] = held(first.decisions)  # and the step after it, on the critical path
+    assert step_c.after_step_id == step_b.step_id
+    assert plain(core.finish_results(0.1, first.pending)) == []
+
+    # a request of the step failed: no held command passes, the instance waits for the pass
+    core = make_core(PIPELINED)
+    out = arrive(core, "r0", "r1")
+    [step_a] = plain(out)
+    first = core.on_results(0.1, [report(step_a, failed=("r1",), awaits_held=True)])
+    assert core.counters["late_held_steps"] == 0 and held(first.decisions) == []
+
+
+def test_requests_that_left_an_instance_go_with_its_held_command_until_one_runs():
+    """An instance that goes from one held step to the next never gets a plain command: what left it
+    (migrated, preempted, cancelled) is dropped by the held command that runs, and kept for the next
+    command while none has run."""
+    core = make_core(PIPELINED)
+    out = arrive(core, "a", "b")
+    [step_a], [step_b] = plain(out), held(out)
+    core._instances["i0"].drop_ids.append("gone")  # a request that left i0 while its step ran
+    first = core.on_results(0.1, [report(step_a, continued=step_b.step_id)])
+    [step_c] = held(first.decisions)
+    assert step_c.drop_request_ids == ["gone"]
+    core.finish_results(0.1, first.pending)
+    assert core._instances["i0"].drop_ids == ["gone"]  # not known to have run yet
+    second = core.on_results(0.2, [report(step_b)])  # the worker did not go on to it
+    [step_d] = plain(second.decisions) + plain(core.finish_results(0.2, second.pending))
+    assert step_d.drop_request_ids == ["gone"] and core._instances["i0"].drop_ids == []
+
+    core = make_core(PIPELINED)
+    out = arrive(core, "a", "b")
+    [step_a], [step_b] = plain(out), held(out)
+    core._instances["i0"].drop_ids.append("gone")
+    first = core.on_results(0.1, [report(step_a, continued=step_b.step_id)])
+    [step_c] = held(first.decisions)
+    core.finish_results(0.1, first.pending)
+    second = core.on_results(0.2, [report(step_b, continued=step_c.step_id)])  # it ran: dropped
+    assert core._instances["i0"].drop_ids == []
+    assert all(c.drop_request_ids == [] for c in second.decisions.commands)
+
+
+def test_results_handled_before_their_pass_ran_owe_one_pass():
+    core = make_core(PIPELINED, num_instances=2)
+    out = arrive(core, "a", "b", "c", "d")
+    commands = plain(out)
+    assert len(commands) == 2
+    passes = [core.on_results(0.1, [report(c, block_done=[it.request_id for it in c.items])]) for c in commands]
+    owed = passes[0].pending
+    owed.merge(passes[1].pending)
+    assert owed.instance_ids == ["i0", "i1"]
+    nxt = plain(core.finish_results(0.1, owed))
+    assert sorted(c.instance_id for c in nxt) == ["i0", "i1"]  # both freed by the one pass
 
 
 def test_a_continued_step_leaves_out_the_requests_that_finished():
