@@ -22,6 +22,7 @@ from sim.registry import Registry
 from sim.workload import SloClass, WorkloadConfig
 
 BENCH_POLICIES = ("dilaserve", "infaas", "llumnix")
+ALL_THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9)  # the paper's whole candidate set
 
 # label -> (core policy name, config overrides)
 VARIANTS: dict[str, tuple[str, dict]] = {
@@ -30,8 +31,20 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     # a quality floor: candidate thresholds 0.8 and up only (trades SLO attainment for accuracy)
     "dilaserve-floor-0.8": ("dilaserve", {"thresholds": (0.8, 0.9)}),
     # the paper's whole candidate set, whatever it costs the bundled model in accuracy
-    "dilaserve-all-thresholds": ("dilaserve", {"thresholds": (0.5, 0.6, 0.7, 0.8, 0.9)}),
+    "dilaserve-all-thresholds": ("dilaserve", {"thresholds": ALL_THRESHOLDS}),
 }
+# the load-control experiment: Algorithm 1 per step or once per request (at its first placement, with
+# the prediction made at arrival), within the quality budget or over all five thresholds, each with
+# and without Algorithm 2
+_PLAN_ONCE = {"plan_once": True, "prediction": "oneshot"}
+for _label, _overrides in (("dilaserve-all-thresholds", {"thresholds": ALL_THRESHOLDS}),
+                           ("dilaserve-plan-once", _PLAN_ONCE),
+                           ("dilaserve-plan-once-all-thresholds", {**_PLAN_ONCE, "thresholds": ALL_THRESHOLDS})):
+    VARIANTS[_label] = ("dilaserve", _overrides)  # (dilaserve itself and dilaserve-no-loadctl: core policies)
+    VARIANTS[f"{_label}-no-loadctl"] = ("dilaserve", {**_overrides, "load_control": False})
+LOADCTL_POLICIES = ("dilaserve", "dilaserve-no-loadctl", "dilaserve-all-thresholds", "dilaserve-all-thresholds-no-loadctl",
+                    "dilaserve-plan-once", "dilaserve-plan-once-no-loadctl", "dilaserve-plan-once-all-thresholds",
+                    "dilaserve-plan-once-all-thresholds-no-loadctl")
 
 
 @dataclass(frozen=True)
@@ -137,6 +150,21 @@ PRESETS.register(
         policies=("fixed-0.9", "dilaserve-no-loadctl", "dilaserve"),
         cache_mode=CacheMode.NONE,
         quick_overrides={"workload": {"num_requests": 1200}, "points": _rate_points((1.0, 2.0))},
+    ),
+)
+
+PRESETS.register(
+    "ablation-loadctl",
+    Preset(
+        "ablation-loadctl",
+        "What load control (Algorithm 2) adds: Algorithm 1 per step or once per request, within the "
+        "quality budget or over all five thresholds, each with and without it",
+        _BENCH_CLUSTER,
+        WorkloadConfig(arrival="poisson", num_requests=4000, num_shots=5),
+        _rate_points((1.0, 2.0, 3.0)),
+        policies=LOADCTL_POLICIES,
+        cache_mode=CacheMode.NONE,
+        quick_overrides={"workload": {"num_requests": 1200}, "points": _rate_points((1.0, 2.0, 3.0))},
     ),
 )
 
@@ -286,6 +314,20 @@ PRESETS.register(
         _LONG_WORKLOAD,
         _rate_points((1.0, 2.0, 3.0)),
         policies=("fixed-0.9", "dilaserve-no-loadctl", "dilaserve"),
+        cache_mode=CacheMode.DUAL,
+        quick_overrides={"workload": {"num_requests": 800}, "points": _rate_points((2.0, 3.0))},
+    ),
+)
+
+PRESETS.register(
+    "ablation-loadctl-long",
+    Preset(
+        "ablation-loadctl-long",
+        "The load-control experiment on paper-bench-long",
+        _BENCH_CLUSTER,
+        _LONG_WORKLOAD,
+        _rate_points((1.0, 2.0, 3.0)),
+        policies=LOADCTL_POLICIES,
         cache_mode=CacheMode.DUAL,
         quick_overrides={"workload": {"num_requests": 800}, "points": _rate_points((2.0, 3.0))},
     ),

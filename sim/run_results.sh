@@ -7,13 +7,13 @@ nice -n 10 .venv/bin/dls compare --preset paper-trace --quick --json $D/paper-tr
 nice -n 10 .venv/bin/dls compare --preset paper-trace --quick --trace tests/data/burstgpt_sample.csv --json $D/paper-trace-burstgpt-quick.json > $D/paper-trace-burstgpt-quick.txt 2>&1
 nice -n 10 .venv/bin/dls compare --preset paper-trace --quick --trace tests/data/AzureLLMInferenceTrace_conv_first10min.csv --json $D/paper-trace-azure-quick.json --plot $D/paper-trace-azure-quick.png > $D/paper-trace-azure-quick.txt 2>&1
 nice -n 10 .venv/bin/dls compare --preset paper-trace --quick --trace tests/data/AzureLLMInferenceTrace_code_first10min.csv --json $D/paper-trace-azure-code-quick.json > $D/paper-trace-azure-code-quick.txt 2>&1
-for P in paper-bench-long ablation-threshold-long ablation-predictor-long; do
+for P in paper-bench-long ablation-threshold-long ablation-predictor-long ablation-loadctl-long; do
   nice -n 10 .venv/bin/dls compare --preset $P --quick --json $D/$P-quick.json --plot $D/$P-quick.png > $D/$P-quick.txt 2>&1
 done
 nice -n 10 .venv/bin/dls compare --preset paper-bench-long --json $D/paper-bench-long.json --plot $D/paper-bench-long.png > $D/paper-bench-long.txt 2>&1
 nice -n 10 .venv/bin/dls compare --preset ablation-threshold --quick --json $D/ablation-threshold-quick.json --plot $D/ablation-threshold-quick.png > $D/ablation-threshold-quick.txt 2>&1
 nice -n 10 .venv/bin/dls compare --preset paper-bench --no-fidelity --policies dilaserve,infaas,llumnix,dilaserve-all-thresholds --json $D/paper-bench.json --plot $D/paper-bench.png > $D/paper-bench.txt 2>&1
-for P in ablation-predictor ablation-migration ablation-cache sweep-input; do
+for P in ablation-loadctl ablation-predictor ablation-migration ablation-cache sweep-input; do
   nice -n 10 .venv/bin/dls compare --preset $P --quick --json $D/$P-quick.json > $D/$P-quick.txt 2>&1
 done
 nice -n 10 .venv/bin/dls capacity --preset paper-bench --quick --policy dilaserve --target 0.9 --json $D/capacity-dilaserve.json > $D/capacity.txt 2>&1

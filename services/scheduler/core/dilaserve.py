@@ -70,6 +70,9 @@ class DiLaServeConfig(BaseModel):
     # under the current load (active requests spread over the live instances) when that is larger
     # than the batch of the moment (a queue means batches are about to grow)
     load_aware_batch: bool = True
+    # ablation (the load-control experiment): Algorithm 1 chooses a request's threshold once, at its
+    # first placement, and keeps it; load control, when on, still caps it at every step
+    plan_once: bool = False
     tie_break: Literal["first", "random"] = "first"
 
 
@@ -116,6 +119,7 @@ class DiLaServePolicy:
         self.placer = Placer(self._placement_config(config), rng)
         self._arrivals = LogCursor()
         self._removals = LogCursor()
+        self._plan: dict[str, int] = {}  # plan_once: request id -> the threshold index it was planned at
         self._capacity_version = -1
         self._token_steps_per_s = 0.0
         self._kappa = 1.0
@@ -145,6 +149,7 @@ class DiLaServePolicy:
         decisions = Decisions()
         for rid in self._removals.take(view.removal_log):
             self.table.remove(rid)
+            self._plan.pop(rid, None)
         self._admit(view, decisions)
         ready = sorted((view.requests[rid] for rid in view.ready_ids), key=_visit_key)
         if self._uses_estimates and ready:
@@ -165,6 +170,7 @@ class DiLaServePolicy:
         their placement does not change (the next pass, at a block start, may move them)."""
         for rid in self._removals.take(view.removal_log):
             self.table.remove(rid)
+            self._plan.pop(rid, None)
         requests = [
             r for rid in request_ids
             if (r := view.requests.get(rid)) is not None and r.status == RequestStatus.RUNNING
@@ -320,9 +326,22 @@ class DiLaServePolicy:
             beta,
             budget,
             self.table.lo[table_rows],
-            hi[table_rows],
+            # plan_once: Algorithm 1's own choice, which load control then caps (_planned_once)
+            (self.table.hi if self.config.plan_once else hi)[table_rows],
         )
+        if self.config.plan_once:
+            index = self._planned_once(requests, index, self.table.lo[table_rows], hi[table_rows])
         return index.tolist(), estimate.tolist(), hi[table_rows].tolist()
+
+    def _planned_once(self, requests: list[Request], chosen: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        """``plan_once``: a request keeps the threshold Algorithm 1 chose at its first placement
+        (capped by ``hi``: load control's allowed maximum when it is on, so a cap that lifts gives the
+        planned threshold back); a request new to the plan takes this event's choice."""
+        index = chosen.copy()
+        for k, request in enumerate(requests):
+            planned = self._plan.setdefault(request.request_id, int(chosen[k]))
+            index[k] = max(min(planned, int(hi[k])), int(lo[k]))
+        return index
 
     def _expected_batch(self, table, rows: np.ndarray) -> np.ndarray:
         """The batch each instance runs once the active requests (running and queued) are spread

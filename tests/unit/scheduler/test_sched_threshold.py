@@ -181,3 +181,32 @@ def test_recompute_steps_follow_the_prediction_when_answers_stop_early():
     assert list(recompute) == [1, 16]  # the next step starts block 0; at most the 16 blocks left
     recompute, cache = StepEstimator(grid, {0.5: 8.0, 0.9: 2.0}).estimate(make_request("s", gen_len=128, block_len=8))
     assert list(recompute) == [16, 16]  # no prediction yet: every block left (an upper bound)
+
+
+def test_plan_once_keeps_the_first_choice_and_load_control_caps_it(profile):
+    """The load-control experiment's ablation: Algorithm 1 once per request; a fresh (pessimistic)
+    prediction does not move the threshold, while load control's cap still lowers it at a step."""
+    pessimistic = {t: (8, 200) for t in PREDICTION}
+    pessimistic[0.5] = (8, 5)
+
+    def threshold_after_a_step(policy: str, overrides: dict) -> tuple[float, float]:
+        loop = SchedulingLoop(make_policy(policy, {"budget_share": 1.0, **overrides}), make_view(profile, [1]))
+        request = make_request("r", slo_s=1.15)
+        request.record_prediction(uniform_prediction(PREDICTION))
+        (first,) = loop.on_arrival(0.0, request).assignments
+        result = step_result("i0", StepOutcome("r", 1, recompute=True, prediction=uniform_prediction(pessimistic, 1)))
+        (after,) = loop.on_step_result(0.1, result).assignments
+        return first.threshold, after.threshold
+
+    assert threshold_after_a_step("dilaserve", {}) == (0.8, 0.5)  # per step: re-planned
+    assert threshold_after_a_step("dilaserve", {"plan_once": True}) == (0.8, 0.8)  # planned once: kept
+
+    # overload (7 requests on one instance, as in test_sched_load): the planned threshold is capped
+    loop = SchedulingLoop(make_policy("dilaserve", {"plan_once": True}), make_view(profile, [1]))
+    decisions = loop.on_arrivals(0.0, [make_request(f"r{i}", slo_s=2.0) for i in range(7)])
+    assert all(a.threshold <= a.max_allowed_threshold for a in decisions.assignments)
+    assert decisions.assignments[-1].threshold == 0.5
+    # a cap that lifts gives the planned threshold back (indices into the candidates)
+    policy, request = loop.policy, make_request("late", slo_s=2.0)
+    assert policy._planned_once([request], np.array([4]), np.array([0]), np.array([2])).tolist() == [2]
+    assert policy._planned_once([request], np.array([0]), np.array([0]), np.array([5])).tolist() == [4]
