@@ -1,0 +1,34 @@
+"""docs/results.md's load-control and loss-breakdown sections, from compare-shaped JSON."""
+
+from sim import results_doc
+
+
+def point(label: str, slo: float, accuracy: float = 0.99, queueing_s: float = 1.0) -> dict:
+    return {"label": label, "slo_attainment": slo, "accuracy": accuracy, "mean_latency_s": 2.0,
+            "breakdown": {"queueing_s": queueing_s, "reconfiguration_s": 0.25, "migration_s": 0.001,
+                          "reconfiguration_instance_s": 40.0, "mean_threshold": 0.8}}
+
+
+def test_load_control_experiment_reports_what_algorithm_2_adds_per_regime():
+    slo = {"dilaserve": (0.50, 0.30), "dilaserve-no-loadctl": (0.49, 0.30),
+           "dilaserve-all-thresholds": (0.90, 0.80), "dilaserve-all-thresholds-no-loadctl": (0.90, 0.80),
+           "dilaserve-plan-once": (0.48, 0.28), "dilaserve-plan-once-no-loadctl": (0.45, 0.27),
+           "dilaserve-plan-once-all-thresholds": (0.92, 0.85),
+           "dilaserve-plan-once-all-thresholds-no-loadctl": (0.86, 0.80)}
+    data = {"policies": {label: {"points": [point("2.0x", a), point("3.0x", b)]} for label, (a, b) in slo.items()}}
+    text = results_doc.load_control_experiment(data, None)
+    assert "| every step | within the budget | 49.0 -> 50.0% (+1.0), acc. 99.0% | 30.0 -> 30.0% (+0.0)" in text
+    assert "at most +6.0 points (short answers, Algorithm 1 once" in text and "all five thresholds, 2.0x" in text
+    assert "re-plans every step it adds +0.0 to +1.0 points; where it plans once, +1.0 to +6.0" in text
+    assert results_doc.load_control_experiment(None, None) == ""
+
+
+def test_loss_breakdown_has_a_row_per_point_with_every_policy():
+    runs = {"paper-bench-quick": {"policies": {
+        name: {"points": [point("1.0x", 0.9, queueing_s=q), point("2.0x", 0.5, queueing_s=2 * q)]}
+        for name, q in (("dilaserve", 0.5), ("infaas", 1.0), ("llumnix", 1.5))}}}
+    text = results_doc.loss_breakdown(runs)
+    rows = [line for line in text.splitlines() if line.startswith("| paper-bench |")]
+    assert rows[1] == "| paper-bench | 2.0x | 50.0 / 50.0 / 50.0 | 1.00 / 2.00 / 3.00 | 0.25 / 0.25 / 0.25 | " \
+                      "0.001 / 0.001 / 0.001 | 40 / 40 / 40 | 0.800 / 0.800 / 0.800 |"
+    assert len(rows) == 2
