@@ -103,6 +103,7 @@ def _predictor_figures(result: dict) -> dict[str, float]:
         "predictor_error_ratio": overall["progress_confidence"] / overall["one_shot"],
         "predictor_long_error_ratio": chain["progress_confidence"] / chain["one_shot"],
         "predictor_confidence_ratio": overall["progress_confidence"] / overall["progress"],
+        "predictor_total_ratio": result["total_ratio"]["progress_confidence"],
     }
 
 

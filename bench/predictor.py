@@ -43,6 +43,7 @@ from services.predictor.core.evaluation import aged_one_shot, errors, granularit
 from services.predictor.core.model import ModelError, StepModel
 from services.predictor.core.predictor import InProcessPredictor, PredictionQuery
 from services.predictor.traces import DEFAULT_THRESHOLDS, TraceSet, read_traces
+from shared.features import CONFIDENCE_FEATURE_NAMES, FEATURE_NAMES
 from services.predictor.training import ONE_SHOT, SERVED, evaluate, fit, predict_remaining
 
 MODELS = {"one_shot": ONE_SHOT, "progress": "progress", "progress_confidence": SERVED}
@@ -91,12 +92,17 @@ def granularity(model: StepModel, heldout: TraceSet) -> dict:
 def queries_from(traces: TraceSet, count: int) -> list[PredictionQuery]:
     """``count`` queries rebuilt from trace rows (cycling), as the service would receive them."""
     out = []
+    col = {name: i for i, name in enumerate(FEATURE_NAMES)}
+    conf = [col[name] for name in CONFIDENCE_FEATURE_NAMES]
     for i in range(count):
         f = traces.features[i % len(traces)]
-        gen, block = int(f[1]), int(f[3])
-        confidence = None if math.isnan(f[6]) else tuple(float(v) for v in f[6:11])
-        out.append(PredictionQuery(f"q{i}", int(traces.steps[i % len(traces)]), gen, int(f[2]), block,
-                                   round(f[4] * gen), round(f[5] * block), block, confidence))
+        gen, block, index = int(f[col["output_length"]]), int(f[col["block_length"]]), int(f[col["block_index"]])
+        confidence = None if math.isnan(f[conf[0]]) else tuple(float(f[c]) for c in conf)
+        ahead = f[col["end_blocks_left"]]
+        out.append(PredictionQuery(f"q{i}", int(traces.steps[i % len(traces)]), gen, int(f[col["prompt_length"]]),
+                                   block, round(f[col["full_progress"]] * gen), round(f[col["block_progress"]] * block),
+                                   block, confidence, block_index=index,
+                                   predicted_end=None if math.isnan(ahead) else int(index + ahead) * block))
     return out
 
 
@@ -219,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "relative_error": relative_error,
         "absolute_error": {key: table["overall"]["mae"] for key, table in tables.items()},
+        # predicted over actual remaining steps, summed (below 1: biased low, read as slack by the scheduler)
+        "total_ratio": {key: table["overall"]["total_ratio"] for key, table in tables.items()},
         "by_family": breakdown(tables, "by_family"),
         "by_canvas": breakdown(tables, "by_canvas"),
         "by_block_index": breakdown(tables, "by_block_index"),

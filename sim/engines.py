@@ -52,6 +52,7 @@ class EngineOutcome:
     threshold: float
     num_masked: int = 0  # masked output positions left (predictor feature)
     confidences: tuple[float, ...] = ()  # min, q25, median, mean, q75 of the still-masked block
+    predicted_end: int | None = None  # canvas position where the engine expects the EOS (a predictor feature)
 
 
 class SimEngine(Protocol):
@@ -165,7 +166,7 @@ class ModelEngine:
         c = result.confidence
         return EngineOutcome(
             rid, len(result.committed_positions), block_done, result.finished, result.kind == 0, tau,
-            result.num_masked, (c.min, c.q25, c.median, c.mean, c.q75),
+            result.num_masked, (c.min, c.q25, c.median, c.mean, c.q75), result.predicted_end,
         )
 
     def correct(self, request_id: str) -> bool:
@@ -501,7 +502,12 @@ class ReplayEngine:
                 state.masked = min(state.block_len, state.gen_len - state.block * state.block_len)
         left = 0 if state.finished else state.masked + state.gen_len - (state.block + 1) * state.block_len
         confidences = tuple(float(v) for v in row[1:6]) if len(row) >= 6 else ()
-        return EngineOutcome(rid, k, block_done, state.finished, recompute, tau, max(left, 0), confidences)
+        # the bundled model names its answer's end block from the first full forward on (all of 300
+        # held-out requests over every family, canvas and block length: docs/notes.md; the test
+        # ``test_the_first_forward_tells_the_block_where_a_chain_ends``), so the replay reports the
+        # block where the problem it follows ended (as its first position)
+        end = (state.blocks_to_run - 1) * state.block_len
+        return EngineOutcome(rid, k, block_done, state.finished, recompute, tau, max(left, 0), confidences, end)
 
     def _follow(self, state: _ReplayState, tau: float) -> np.ndarray | None:
         """The followed problem's step from this (block, masked) state at ``tau``: its recording at

@@ -216,7 +216,8 @@ class Simulator:
         report = BatchOutcome(
             instance_id,
             tuple(StepOutcome(o.request_id, o.num_committed, o.block_done, o.finished, o.recompute,
-                              state_version=self._versions[o.request_id], confidence=o.confidences or None)
+                              state_version=self._versions[o.request_id], confidence=o.confidences or None,
+                              predicted_end=o.predicted_end)
                   for o in outcomes),
             run.duration_s, step_id=step_id, continued_step_id=nxt.step_id if nxt is not None else 0,
         )

@@ -83,6 +83,7 @@ def to_core_query(query: PredictionQuery) -> CoreQuery:
         confidence=None if query.confidence is None else tuple(query.confidence),
         uses_cache=query.uses_cache,
         threshold=query.threshold,
+        predicted_end=query.predicted_end,
     )
 
 

@@ -1,6 +1,6 @@
 """Engine traces for the step predictor: collection, and CSV files validated on read.
 
-A trace row is a request between steps (``step`` steps done; 0 is arrival) with its 11 features and
+A trace row is a request between steps (``step`` steps done; 0 is arrival) with its features (``shared.features``) and
 the steps that actually remained, counted apart as the engine reported them (recompute and cache).
 The threshold feature is the one used for *all* remaining steps, so a row is written only where the
 request's threshold stays the same until it finishes. To teach the model what happens after the
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from services.predictor.core.predictor import PredictionQuery
-from shared.features import CONFIDENCE_FEATURE_NAMES, FEATURE_NAMES
+from shared.features import FEATURE_NAMES, MODEL_OUTPUT_FEATURE_NAMES
 
 if TYPE_CHECKING:
     from services.worker.engine import DLMEngine, RequestState, StepResult
@@ -33,7 +33,7 @@ DEFAULT_THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95)  # the scheduler's default 
 META_COLUMNS = ("request_id", "seed", "family", "num_shots", "cache_mode", "step", "switched", "previous_threshold")
 LABEL_COLUMNS = ("remaining_steps", "remaining_recompute", "remaining_cache")
 COLUMNS = META_COLUMNS + FEATURE_NAMES + LABEL_COLUMNS
-_NULLABLE = frozenset(CONFIDENCE_FEATURE_NAMES) | {"previous_threshold"}  # NaN allowed (before any step)
+_NULLABLE = frozenset(MODEL_OUTPUT_FEATURE_NAMES) | {"previous_threshold"}  # NaN allowed (before any step)
 _TEXT = frozenset({"request_id", "family", "cache_mode"})
 
 

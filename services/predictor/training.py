@@ -5,7 +5,7 @@ Three kinds of model, one per feature set (``shared.features.FEATURE_SETS``):
 * ``arrival`` (the one-shot estimate): trained on arrival rows only (no step run yet); scored on
   every row as the arrival estimate aged by the steps run since (``evaluation.aged_one_shot``).
 * ``progress``: threshold, lengths and progress, trained and scored on every row.
-* ``progress_confidence``: all 11 features; the model the system serves.
+* ``progress_confidence``: all the features; the model the system serves.
 """
 
 from __future__ import annotations

@@ -643,7 +643,7 @@ class SchedulerService:
         outcomes = tuple(
             StepOutcome(r.request_id, len(r.committed_positions), r.block_done, r.finished,
                         r.kind == StepKind.RECOMPUTE, state_version=r.state_version, confidence=r.confidence.as_tuple,
-                        num_masked=r.num_masked)
+                        num_masked=r.num_masked, predicted_end=r.predicted_end)
             for r in results.results)
         return BatchOutcome(results.instance_id, outcomes, results.duration_s, step_id=results.step_id,
                             failed_ids=tuple(f.request_id for f in results.failures if f.kind != FailureKind.KV_FULL),

@@ -36,7 +36,11 @@ and, when asked (``num_top_logprobs``), the most likely tokens there: what ``log
 Packed batches: a forward concatenates its requests' fresh tokens into one sequence (no padding);
 attention knows where each request's rows lie (``services/worker/attention.py``: flash-attn's varlen
 kernel on CUDA, SDPA per request elsewhere, the same tokens either way). The LM head runs only on the
-rows of each request's current block.
+rows of each request's current block, and, in a full forward of a request that stops at EOS, on the
+canvas positions after it: where the first position whose most likely token is EOS lies is where
+the model expects the answer to end (``RequestState.predicted_end``), which the step predictor reads
+(how many blocks are left to run). That costs the LM head over the rest of the canvas once per block
+(``predict_end=False``: never).
 
 The KV cache is read in place (``services/worker/kv_cache.py``): each cached request owns a
 contiguous run of pages of one pool, slot ``p`` holding position ``p`` with RoPE applied. A recompute
@@ -104,6 +108,10 @@ class RequestState:
     top_token_ids: list[list[int]] = field(default_factory=list)  # canvas position -> most likely tokens
     top_probs: list[list[float]] = field(default_factory=list)  # canvas position -> their probabilities
     stop_length: int | None = None  # answer tokens, once a stop string ended the answer
+    # canvas position where the model expects the answer's EOS, from the last full forward (gen_length:
+    # none within the canvas; None: no full forward here yet). Kept in memory only: a request that moves
+    # runs a full forward first anyway, which tells it again (the step predictor's end feature)
+    predicted_end: int | None = None
 
     @property
     def gen_length(self) -> int:
@@ -170,6 +178,7 @@ class StepResult:
     # commit rule compared with the threshold; the simulator's replay derives other thresholds' commits)
     masked_confidences: tuple[float, ...] = ()
     blocks_skipped: int = 0  # blocks left undecoded because this step completed one holding an EOS
+    predicted_end: int | None = None  # ``RequestState.predicted_end`` after the step
 
 
 @dataclass(frozen=True)
@@ -228,6 +237,9 @@ class _Item:
     # recompute steps with a cache: positions 0..num_stored-1 are stored (what this block's cache
     # steps read without recomputing: all for dual, those before the window for prefix)
     num_stored: int = 0
+    # full forwards of a request that stops at EOS: the outputs of the canvas positions after the block
+    # also go through the LM head, to see where the model expects the EOS (``predicted_end``)
+    num_lookahead: int = 0
 
     @property
     def block_size(self) -> int:
@@ -250,6 +262,7 @@ class DLMEngine:
         default_block_length: int = 32,
         stop_at_eos: bool = True,
         name: str = "model",
+        predict_end: bool = True,
         max_gen_length: int | None = None,
         attention: str = "auto",
         kv_page_size: int | None = None,
@@ -260,12 +273,15 @@ class DLMEngine:
         SDPA), ``flash``, ``torch_varlen`` or ``sdpa`` (``services/worker/attention.py``).
         ``kv_page_size``: slots per KV page (flash-attn needs 256; SDPA defaults to 16).
         ``kv_capacity_tokens``: positions the KV pool holds from the start (it grows when full).
-        ``kv_budget_bytes``: the most the KV pool may take (0: no cap; ``set_kv_budget`` later)."""
+        ``kv_budget_bytes``: the most the KV pool may take (0: no cap; ``set_kv_budget`` later).
+        ``predict_end``: full forwards also read the canvas after the block, to tell where the answer
+        will end (``RequestState.predicted_end``, a step predictor feature)."""
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.default_gen_length = default_gen_length
         self.default_block_length = default_block_length
         self.stop_at_eos = stop_at_eos
+        self.predict_end = predict_end
         self.name = name
         self.max_gen_length = max_gen_length  # longest canvas the model answers the same at (None: any)
         self.mask_id = model.config.mask_token_id
@@ -411,6 +427,11 @@ class DLMEngine:
                 group.sort(key=lambda it: self.kv_cache.extent(it.state.request_id).first_page)
             if group:
                 logits = self._forward(group)
+                if kind is StepKind.RECOMPUTE and self.predict_end:  # where each request expects its EOS
+                    self._predict_ends(group, logits)
+                block_rows = self._block_rows(group)
+                if block_rows is not None:  # lookahead rows read: only the block rows go on
+                    logits = logits[block_rows.to(logits.device)]
                 confidences, tokens = self._confidences(logits)
                 self.last_step_traffic[kind] = KVTraffic(self.kv_cache.bytes_copied - copied,
                                                          self.kv_cache.bytes_written - written)
@@ -437,7 +458,8 @@ class DLMEngine:
         window_start = prompt_len + start - self.shift  # the output predicting the block's first position
         if kind is StepKind.RECOMPUTE:
             stored = {CacheMode.NONE: 0, CacheMode.PREFIX: window_start, CacheMode.DUAL: len(sequence)}
-            return _Item(state, threshold, kind, block, 0, sequence, window_start, stored[state.cache_mode])
+            ahead = state.gen_length - end if self.predict_end and self.stops_at_eos(state) else 0
+            return _Item(state, threshold, kind, block, 0, sequence, window_start, stored[state.cache_mode], ahead)
         window_end = prompt_len + (end if state.cache_mode is CacheMode.DUAL else state.gen_length)
         return _Item(state, threshold, kind, block, window_start, sequence[window_start:window_end], 0)
 
@@ -447,7 +469,7 @@ class DLMEngine:
         segments = Segments(tuple(len(it.fresh_ids) for it in group))
         ids = torch.tensor([t for it in group for t in it.fresh_ids])
         positions = torch.cat([torch.arange(it.fresh_start, it.fresh_start + len(it.fresh_ids)) for it in group])
-        logit_rows = torch.cat([torch.arange(start + it.logit_start, start + it.logit_start + it.block_size)
+        logit_rows = torch.cat([torch.arange(start + it.logit_start, start + it.logit_start + it.block_size + it.num_lookahead)
                                 for it, start in zip(group, segments.starts, strict=True)])
         attention = self._attention(group, segments)
         logits = self.model.forward_packed(
@@ -486,6 +508,34 @@ class DLMEngine:
         rows_t, device = torch.cat(rows), self.model.device
         every_row = len(rows_t) == segments.total  # then no row needs selecting
         return CacheWrite(self.kv_cache, torch.cat(slots).to(device), None if every_row else rows_t.to(device))
+
+    @staticmethod
+    def _block_rows(group: list[_Item]) -> torch.Tensor | None:
+        """The block rows' indices among a forward's logit rows; None when there are no others."""
+        if not any(it.num_lookahead for it in group):
+            return None
+        index, offset = [], 0
+        for it in group:
+            index.append(torch.arange(offset, offset + it.block_size))
+            offset += it.block_size + it.num_lookahead
+        return torch.cat(index)
+
+    def _predict_ends(self, group: list[_Item], logits: torch.Tensor) -> None:
+        """Each item's ``predicted_end``: the first still-masked position of its block or after it whose
+        most likely token is EOS (greedy, the mask token excluded), else the canvas end."""
+        offset = 0
+        for it in group:
+            state, rows = it.state, it.block_size + it.num_lookahead
+            start, _ = state.block_bounds(it.block)
+            if not self.stops_at_eos(state):
+                offset += rows
+                continue
+            scores = logits[offset:offset + rows].float()
+            scores[:, self.mask_id] = float("-inf")
+            is_eos = (scores.argmax(dim=-1) == self.eos_id).cpu().tolist()
+            masked = [p for p in range(start, start + rows) if state.canvas[p] == self.mask_id]
+            state.predicted_end = next((p for p in masked if is_eos[p - start]), state.gen_length)
+            offset += rows
 
     def _confidences(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top probability and token of each row, the mask token excluded, moved to the CPU at once."""
@@ -533,11 +583,14 @@ class DLMEngine:
             state.record_commit(pos, float(conf[j]), top)
         state.num_steps += 1
         remaining = [float(conf[j]) for j in range(len(masked)) if not chosen[j]]
+        eos_at = [p for p, t in committed if t == self.eos_id]
+        if eos_at and self.predict_end and self.stops_at_eos(state):  # the answer ends there or before
+            state.predicted_end = min(min(eos_at), state.gen_length if state.predicted_end is None else state.predicted_end)
         skipped = self._finish_if_done(state, start, end)
         return StepResult(
             state.request_id, item.kind, item.block, [p for p, _ in committed], [t for _, t in committed],
             state.finished, state.num_steps, state.canvas.count(self.mask_id), ConfidenceStats.of(remaining),
-            item.threshold, tuple(conf.tolist()), skipped,
+            item.threshold, tuple(conf.tolist()), skipped, state.predicted_end,
         )
 
     def _finish_if_done(self, state: RequestState, block_start: int, block_end: int) -> int:

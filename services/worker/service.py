@@ -477,6 +477,7 @@ class WorkerService:
                 confidence=_wire_confidence(outcome.confidence), threshold=item.threshold,
                 state_version=stored.version, blocks_skipped=outcome.blocks_skipped,
                 num_answer_tokens=len(stored.answer(self.engine.eos_id).token_ids) if outcome.finished else 0,
+                predicted_end=outcome.predicted_end,
             ))
             self._trace_request_step(stored, item, outcome, len(batch), item.request_id in loaded, started,
                                      duration)

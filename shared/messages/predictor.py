@@ -28,6 +28,7 @@ class PredictionQuery(Part, kw_only=True):
     confidence: Confidence | None = None  # confidence stats after the last step; None before any step
     uses_cache: bool = True  # False: every step is a full forward (cache mode none)
     threshold: float | None = None  # the threshold it runs at now
+    predicted_end: int | None = None  # canvas position where the engine expects the EOS; None: not known
 
 
 class PredictRequest(Message, kw_only=True):

@@ -83,6 +83,7 @@ class RequestStepResult(Part, kw_only=True):
     state_version: int  # version of the request's Redis state after the worker's write
     blocks_skipped: int = 0  # blocks left undecoded because this step completed one holding an EOS
     num_answer_tokens: int = 0  # finished: the answer's tokens (generation-token metrics); else 0
+    predicted_end: int | None = None  # canvas position where the model expects the EOS (step predictor feature)
 
 
 class StepResults(Message, kw_only=True):

@@ -37,7 +37,8 @@ def test_every_guarded_figure_is_produced_by_a_run():
                        "infaas": {"0.6x": (1.0, 1.0), "1.5x": (0.2, 1.0), "2.0x": (0.3, 1.0)},
                        "llumnix": {"0.6x": (1.0, 1.0), "1.5x": (0.2, 1.0), "2.0x": (0.3, 1.0)}})
     predictor = {"relative_error": {"one_shot": 0.8, "progress": 0.6, "progress_confidence": 0.5},
-                 "by_family": {"chain": {"one_shot": 0.9, "progress": 0.7, "progress_confidence": 0.6}}}
+                 "by_family": {"chain": {"one_shot": 0.9, "progress": 0.7, "progress_confidence": 0.6}},
+                 "total_ratio": {"one_shot": 0.5, "progress": 0.9, "progress_confidence": 0.97}}
     produced: dict[str, float] = {}
     for run in runs:
         produced.update(run.figures(predictor if run.name == "predictor" else result))

@@ -21,12 +21,15 @@ TOLERANCE = 0.05  # within 5% (relative) of per-step updates' mean relative erro
 
 
 def errors(predicted: np.ndarray, actual: np.ndarray) -> dict:
-    """Mean absolute and mean relative error of remaining steps."""
+    """Mean absolute and mean relative error of remaining steps, and ``total_ratio``: the predicted
+    steps summed over the actual ones (below 1: the estimates are biased low, which the scheduler
+    reads as slack that is not there)."""
     predicted, actual = np.asarray(predicted, dtype=float), np.asarray(actual, dtype=float)
     if len(actual) == 0:
-        return {"num_rows": 0, "mae": None, "mre": None}
+        return {"num_rows": 0, "mae": None, "mre": None, "total_ratio": None}
     gap = np.abs(predicted - actual)
-    return {"num_rows": int(len(actual)), "mae": float(gap.mean()), "mre": float((gap / actual).mean())}
+    return {"num_rows": int(len(actual)), "mae": float(gap.mean()), "mre": float((gap / actual).mean()),
+            "total_ratio": float(predicted.sum() / actual.sum())}
 
 
 def error_table(predicted: np.ndarray, actual: np.ndarray, thresholds: np.ndarray) -> dict:

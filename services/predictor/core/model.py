@@ -47,7 +47,7 @@ class TargetTransform:
 
 @dataclass
 class StepModel:
-    """Remaining-step regressors over one feature set (a prefix of the 11 features)."""
+    """Remaining-step regressors over one feature set (a prefix of ``shared.features.FEATURE_NAMES``)."""
 
     feature_set: str
     total: lgb.Booster
@@ -103,7 +103,8 @@ class StepModel:
         if feature_set not in FEATURE_SETS:
             raise ModelError(f"{directory / CARD_FILE}: unknown feature_set {feature_set!r}")
         if list(card.get("features", [])) != list(FEATURE_SETS[feature_set]):
-            raise ModelError(f"{directory / CARD_FILE}: features do not match feature set {feature_set!r}")
+            raise ModelError(f"{directory / CARD_FILE}: features do not match feature set {feature_set!r} "
+                             "(trained with another feature list: retrain with `dls train-predictor`)")
         total = _read_booster(directory / TOTAL_FILE, len(FEATURE_SETS[feature_set]))
         recompute = _read_booster(directory / RECOMPUTE_FILE, len(FEATURE_SETS[feature_set]))
         return cls(feature_set, total, recompute, card.get("target_transform", TargetTransform.NONE), card)

@@ -51,6 +51,7 @@ class PredictionQuery:
     uses_cache: bool = True  # False: every step is a full forward (cache mode none)
     threshold: float | None = None  # the one it runs at now (lets ``+final`` update policies skip it)
     block_index: int = 0  # the block the last step decoded
+    predicted_end: int | None = None  # where the engine expects the EOS (``shared.features``); None: not known
 
     @property
     def progress(self) -> float:
@@ -59,7 +60,7 @@ class PredictionQuery:
     def features(self, threshold: float) -> list[float]:
         return step_features(
             threshold, self.gen_length, self.prompt_length, self.block_length, self.num_committed,
-            self.block_committed, self.confidence, self.block_size, self.block_index,
+            self.block_committed, self.confidence, self.block_size, self.block_index, self.predicted_end,
         )
 
     def arrival_features(self, threshold: float) -> list[float]:
@@ -82,6 +83,7 @@ class PredictionQuery:
         confidence: Sequence[float] | None,
         uses_cache: bool = True,
         threshold: float | None = None,
+        predicted_end: int | None = None,
     ) -> PredictionQuery:
         """The query from counters alone (the scheduler's and simulator's view of a request).
 
@@ -97,7 +99,7 @@ class PredictionQuery:
             request_id, num_steps_done, gen_length, prompt_length, block_length, num_committed,
             num_committed - start, min(block_length, gen_length - start),
             None if confidence is None else tuple(confidence_values(confidence)), uses_cache, threshold,
-            block_index=start // block_length,
+            block_index=start // block_length, predicted_end=predicted_end,
         )
 
     @classmethod
@@ -108,7 +110,7 @@ class PredictionQuery:
             state.request_id, result.num_steps, state.gen_length, len(state.prompt_ids), state.block_length,
             state.gen_length - result.num_masked, sum(1 for t in state.canvas[start:end] if t != mask_id),
             end - start, tuple(confidence_values(result.confidence)), state.cache_mode != "none",
-            block_index=result.block_index,
+            block_index=result.block_index, predicted_end=result.predicted_end,
         )
 
 

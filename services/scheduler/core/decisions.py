@@ -77,6 +77,7 @@ class StepOutcome:
     state_version: int = 0  # version of the stored state after the step (0: not told)
     confidence: tuple[float, ...] | None = None  # (min, q25, median, mean, q75) of the block still masked
     num_masked: int = 0  # masked positions left in its canvas (0: not told; the held-step rule reads it)
+    predicted_end: int | None = None  # canvas position where the engine expects its EOS (None: not told)
 
 
 @dataclass(frozen=True, slots=True)

@@ -76,6 +76,7 @@ class Request:
     holder_id: str | None = None  # the instance holding its latest state (local copy, KV cache); None: only the store
     reloading: bool = False  # its last step was lost or failed: its state is reloaded before the next
     confidence: tuple[float, ...] | None = None  # (min, q25, median, mean, q75) after its last step
+    predicted_end: int | None = None  # where the engine last said it expects the EOS (a predictor feature)
     # latest decisions and predictions
     threshold: float | None = None
     prediction: Prediction | None = None

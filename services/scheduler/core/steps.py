@@ -302,7 +302,7 @@ class StepScheduler:
                 request_id=rid, num_steps_done=r.num_steps_done, gen_length=r.gen_len, prompt_length=r.prompt_len,
                 block_length=r.block_len, num_committed=r.num_tokens_committed, block_committed=block_committed,
                 block_size=block_size, block_index=block_index, confidence=r.confidence,
-                uses_cache=r.cache_mode != CacheMode.NONE, threshold=r.threshold,
+                uses_cache=r.cache_mode != CacheMode.NONE, threshold=r.threshold, predicted_end=r.predicted_end,
             ))
         return queries
 

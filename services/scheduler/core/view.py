@@ -354,6 +354,8 @@ class ClusterView:
                 request.state_version = outcome.state_version
             if outcome.confidence is not None:
                 request.confidence = outcome.confidence
+            if outcome.predicted_end is not None:
+                request.predicted_end = outcome.predicted_end
             if outcome.prediction is not None:
                 request.record_prediction(outcome.prediction)
             if outcome.finished:

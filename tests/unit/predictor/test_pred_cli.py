@@ -9,6 +9,7 @@ from bench import predictor as bench_predictor
 from services.cli import main
 from services.predictor.core.model import StepModel
 from services.predictor.traces import COLUMNS, read_traces, write_traces
+from shared.features import FEATURE_NAMES
 from shared.tasks import Split
 from tests.unit.predictor.pred_builders import fake_rows
 
@@ -51,7 +52,7 @@ def test_train_predictor_writes_model_card_and_one_shot_model(tmp_path, capsys):
                  "--max-requests", "50", "--rounds", "20"]) == 0
     model = StepModel.load(out)
     assert model.card["training"]["num_requests"] == 50
-    assert model.card["features"] == list(model.feature_names) and len(model.feature_names) == 13
+    assert model.card["features"] == list(model.feature_names) and len(model.feature_names) == len(FEATURE_NAMES)
     assert set(model.card["error"]["by_threshold"]) and model.card["error"]["overall"]["num_rows"] > 0
     assert StepModel.load(out / "oneshot").feature_set == "arrival"
 

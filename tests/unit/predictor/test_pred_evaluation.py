@@ -14,7 +14,8 @@ from services.predictor.core.policy import UpdatePolicy
 
 def test_errors_and_table():
     predicted, actual = np.array([2.0, 3.0, 1.0]), np.array([1.0, 3.0, 2.0])
-    assert errors(predicted, actual) == pytest.approx({"num_rows": 3, "mae": 2 / 3, "mre": 0.5})
+    assert errors(predicted, actual) == pytest.approx({"num_rows": 3, "mae": 2 / 3, "mre": 0.5, "total_ratio": 1.0})
+    assert errors(np.array([1.0, 1.0]), np.array([2.0, 6.0]))["total_ratio"] == pytest.approx(0.25)  # biased low
     table = error_table(predicted, actual, np.array([0.5, 0.9, 0.9]))
     assert table["by_threshold"]["0.5"]["mre"] == pytest.approx(1.0)
     assert table["by_threshold"]["0.9"]["mre"] == pytest.approx(0.25)

@@ -39,12 +39,12 @@ def test_arrival_model_reads_only_arrival_features(tmp_path):
     model = tiny_model(tmp_path, "arrival")
     row = np.array([arrival_features(0.9, 16, 30, 8)])
     moved = row.copy()
-    moved[0, 4:] = [0.5, 0.5, 3.0, 4.0, 0.2, 0.3, 0.4, 0.5, 0.6]
+    moved[0, 4:] = [0.5, 0.5, 3.0, 4.0, 0.2, 0.3, 0.4, 0.5, 0.6, 1.0]
     np.testing.assert_allclose(model.predict(row)[0], model.predict(moved)[0])
 
 
 def test_wrong_row_shape(tmp_path):
-    with pytest.raises(ValueError, match="13 features"):
+    with pytest.raises(ValueError, match="14 features"):
         tiny_model(tmp_path).predict(np.zeros((2, 6)))
 
 
@@ -65,8 +65,8 @@ def test_missing_or_bad_card(tmp_path):
 
 def test_training_rejects_empty_and_bad_labels():
     with pytest.raises(TrainingError, match="no training rows"):
-        train_step_model(np.zeros((0, 13)), np.zeros(0), np.zeros(0), params=FAST)
+        train_step_model(np.zeros((0, 14)), np.zeros(0), np.zeros(0), params=FAST)
     with pytest.raises(TrainingError, match="non-negative"):
-        train_step_model(np.zeros((3, 13)), np.array([1.0, -1.0, 2.0]), np.zeros(3), params=FAST)
+        train_step_model(np.zeros((3, 14)), np.array([1.0, -1.0, 2.0]), np.zeros(3), params=FAST)
     with pytest.raises(TrainingError, match="unknown feature set"):
-        train_step_model(np.zeros((3, 13)), np.ones(3), np.zeros(3), "everything", FAST)
+        train_step_model(np.zeros((3, 14)), np.ones(3), np.zeros(3), "everything", FAST)

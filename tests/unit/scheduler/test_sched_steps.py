@@ -39,11 +39,12 @@ def held(decisions):
 
 
 def report(command, *, num: int = 1, block_done=(), finished=(), failed=(), continued: int = 0,
-           awaits_held: bool = False) -> BatchOutcome:
+           awaits_held: bool = False, predicted_end: int | None = None) -> BatchOutcome:
     """What the worker says after running ``command``: each item stepped (one stored version more)."""
     outcomes = tuple(
         StepOutcome(it.request_id, num, it.request_id in block_done, it.request_id in finished, False,
-                    state_version=it.state_version + 1, confidence=(0.5, 0.6, 0.7, 0.7, 0.8))
+                    state_version=it.state_version + 1, confidence=(0.5, 0.6, 0.7, 0.7, 0.8),
+                    predicted_end=predicted_end)
         for it in command.items if it.request_id not in failed)
     return BatchOutcome(command.instance_id, outcomes, 0.1, step_id=command.step_id, failed_ids=tuple(failed),
                         continued_step_id=continued, awaits_held=awaits_held)
@@ -321,11 +322,12 @@ def test_a_continued_step_this_scheduler_never_sent_is_mirrored_from_the_step_an
 def test_predictions_reach_the_pass_and_queries_describe_the_request_between_steps():
     core = make_core(NO_OVERLAP)
     [command] = plain(arrive(core, "r0", gen_len=64, block_len=32))
-    first = core.on_results(0.1, [report(command, num=3)])
+    first = core.on_results(0.1, [report(command, num=3, predicted_end=40)])
     [query] = core.queries(first.pending.stepped_ids)
     assert (query.num_steps_done, query.num_committed, query.block_index, query.block_committed, query.block_size) \
         == (1, 3, 0, 3, 32)
     assert query.confidence == (0.5, 0.6, 0.7, 0.7, 0.8) and query.uses_cache and query.prompt_length == 256
+    assert query.predicted_end == 40  # where the engine expects the EOS, as its last full forward said
     from services.scheduler.core import Prediction
 
     prediction = Prediction({t: (0, 1) for t in core.loop.policy.grid.values}, made_at_step=1)

@@ -78,3 +78,18 @@ def test_a_long_chain_spans_blocks_and_a_cap_cuts_it(engine):
     assert len(full.text) + 1 > 3 * 16  # over three blocks of 16 at least
     cut = engine.generate(problem.prompt, threshold=0.9, max_tokens=20, block_length=16)
     assert cut.finish_reason == "length" and len(cut.text) == 20
+
+
+def test_the_first_forward_tells_the_block_where_a_chain_ends(engine):
+    """The step predictor's end feature: after a request's first step (a full forward) the engine
+    says which block its EOS will be in, and the request stops there (what the simulator's replay
+    engine assumes when it reports the recorded end)."""
+    problems = TaskGenerator(seed=9).problems(12, 0, split=Split.HELD_OUT)
+    chains = [p for p in problems if p.family is Family.CHAIN] or [TaskGenerator(seed=9).problem(0, Split.HELD_OUT, Family.CHAIN)]
+    for i, problem in enumerate(chains):
+        state = engine.new_request(f"c{i}", engine.encode(problem.prompt), 128, 16, CacheMode.DUAL)
+        [first] = engine.step([(state, 0.9)])
+        assert first.predicted_end is not None
+        engine.run_to_completion([(state, 0.9)])
+        end = state.canvas.index(engine.eos_id)
+        assert first.predicted_end // 16 == end // 16, problem.prompt

@@ -55,6 +55,37 @@ def test_stop_at_eos_fills_the_rest_and_matches_reference():
     assert state.canvas[8:] == [2] * 16
 
 
+@pytest.mark.parametrize("shift", [0, 1])
+@pytest.mark.parametrize("mode", list(CacheMode))
+def test_a_full_forward_predicts_where_the_answer_ends(mode, shift):
+    """``predicted_end``: the first masked position (of the block or after it) whose most likely
+    token, the mask excluded, is EOS, read from the full forward's logits; the canvas end when none.
+    Reading the canvas after the block changes nothing the step commits."""
+    model = tiny_model(seed=5, logits_shift=shift)
+    with torch.no_grad():  # EOS likely, though not everywhere, so the answer ends inside the canvas
+        model.model.transformer.ff_out.weight[2] += 0.6
+    prompt = [5, 6, 7, 8]
+    seeing, blind = DLMEngine(model, stop_at_eos=True), DLMEngine(model, stop_at_eos=True, predict_end=False)
+    a, b = (e.new_request("r", prompt, 24, 8, mode) for e in (seeing, blind))
+    checked = 0
+    while not a.finished:
+        kind = seeing.next_step_kind(a)
+        expected = a.predicted_end
+        if kind is StepKind.RECOMPUTE:
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt + a.canvas])).logits[0].float()
+            logits[:, model.config.mask_token_id] = float("-inf")
+            start = seeing.current_block(a) * 8
+            rows = logits[len(prompt) - shift:len(prompt) - shift + 24].argmax(-1).tolist()
+            expected = next((p for p in range(start, 24) if a.canvas[p] == 1 and rows[p] == 2), 24)
+            checked += 1
+        [ra], [rb] = seeing.step([(a, 0.7)]), blind.step([(b, 0.7)])
+        assert a.canvas == b.canvas and ra.committed_positions == rb.committed_positions
+        eos = [p for p, t in zip(ra.committed_positions, ra.committed_token_ids, strict=True) if t == 2]
+        assert ra.predicted_end == min([expected, *eos]) and rb.predicted_end is None
+    assert checked >= 1 and b.finished
+
+
 @pytest.mark.parametrize("mode", [CacheMode.PREFIX, CacheMode.DUAL])
 def test_cache_modes_recompute_at_block_start_then_cache_steps(model, mode):
     engine = DLMEngine(model, stop_at_eos=False)
