@@ -2,6 +2,7 @@
 # The commands behind docs/results.md (run from the repository root).
 set -x
 D=runs/sim
+mkdir -p "$D"
 /usr/bin/time -f "wall %e s" nice -n 10 .venv/bin/dls compare --preset paper-bench --quick --json $D/paper-bench-quick.json --plot $D/paper-bench-quick.png > $D/paper-bench-quick.txt 2>&1
 nice -n 10 .venv/bin/dls compare --preset paper-trace --quick --json $D/paper-trace-quick.json --plot $D/paper-trace-quick.png > $D/paper-trace-quick.txt 2>&1
 nice -n 10 .venv/bin/dls compare --preset paper-trace --quick --trace tests/data/burstgpt_sample.csv --json $D/paper-trace-burstgpt-quick.json > $D/paper-trace-burstgpt-quick.txt 2>&1
