@@ -229,7 +229,7 @@ def long_answers(pbl, abl, pred, full=None) -> str:
                        f"{100 * dl['slo_attainment']:.1f}% ({100 * dl['accuracy']:.1f}% acc., threshold "
                        f"{dl.get('mean_threshold', float('nan')):.3f}) | {_pp(dl, s_)} pp |")
         out.append("")
-        out.append(LOAD_CONTROL_LONG)
+        out.append(LOAD_CONTROL_LONG + _load_control_at_top(abl))
     if pred:
         out.append("Predictor ablation (`ablation-predictor-long --quick`):\n")
         out.append("| point | one-shot | online |\n|---|---|---|")
@@ -253,10 +253,18 @@ LOAD_CONTROL_LONG = (
     "costing a request's steps at the batch the whole backlog will bring (`load_aware_batch`) while "
     "instances are still filling, which moves a request to 0.7 a few steps earlier. Algorithm 2's caps "
     "rarely bind: they lower the ceiling of thresholds that Algorithm 1 has mostly left already, and the "
-    "floor is the quality budget's lowest candidate, 0.7, which no control goes below. At 3x even every "
-    "step at 0.7 cannot keep up (the step time per request falls by the factor above, not by 3x), so both "
-    "queue alike. Where Algorithm 1 plans once per request instead, and over all five thresholds, load "
-    "control has more to do: \"Load control (Algorithm 2), tested\" below measures it.\n")
+    "floor is the quality budget's lowest candidate, 0.7, which no control goes below. Where Algorithm 1 "
+    "plans once per request instead, and over all five thresholds, load control has more to do: \"Load "
+    "control (Algorithm 2), tested\" below measures it.")
+
+
+def _load_control_at_top(abl: dict) -> str:
+    """What load control adds at the ablation's highest load, from the figures (one sentence)."""
+    index = len(abl["policies"]["dilaserve"]["points"]) - 1
+    alone, with_ = pt(abl, "dilaserve-no-loadctl", index), pt(abl, "dilaserve", index)
+    return (f" At the highest load ({with_['label']}) it adds {_pp(with_, alone)} points "
+            f"({100 * alone['slo_attainment']:.1f}% -> {100 * with_['slo_attainment']:.1f}%), at a mean threshold of "
+            f"{with_.get('mean_threshold', float('nan')):.3f} against {alone.get('mean_threshold', float('nan')):.3f}.\n")
 
 
 def _curve_drops(key: str | None, taus: tuple[str, ...]) -> str:
