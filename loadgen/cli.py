@@ -79,7 +79,8 @@ def register(subparsers) -> None:
                         "requests per second that meet all of them (default: each request's own SLO)")
     g.add_argument("--timelines", action="store_true",
                    help="after the run, read the finished requests' step timelines and report the live stack's "
-                        "control-plane time per step under 'control_plane' (for dls sim --control-plane-ms)")
+                        "control-plane time per step under 'control_plane' (for dls sim --control-plane-ms) and "
+                        "the mean batch of the steps that started while requests waited under 'batch_when_queued'")
     g.add_argument("--json", default=None, help="write the report here")
     g.add_argument("--plot", default=None, help="write a PNG figure here")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -264,9 +265,12 @@ def run(args, plan, config: dict, goodput: dict[str, float] | None = None) -> di
     duration = time.perf_counter() - start - first_sent
     report = build_report(results, duration, config=config, goodput=goodput, endpoint=args.endpoint)
     if args.timelines:
-        from loadgen.timelines import fetch_timelines, step_gaps
+        from loadgen.timelines import batch_when_queued, fetch_timelines, step_gaps
 
         ids = [r.request_id for r in results if r.finished and r.request_id]
-        report["control_plane"] = step_gaps(asyncio.run(fetch_timelines(args.url, ids, api_key=args.api_key)))
+        timelines = asyncio.run(fetch_timelines(args.url, ids, api_key=args.api_key))
+        report["control_plane"] = step_gaps(timelines)
+        report["batch_when_queued"] = batch_when_queued(timelines)
         print(f"control-plane time per step: {report['control_plane']}", file=sys.stderr)
+        print(f"batched steps while requests waited: {report['batch_when_queued']}", file=sys.stderr)
     return report

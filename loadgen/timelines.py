@@ -83,3 +83,24 @@ def step_gaps(timelines: Iterable[dict]) -> dict:
         "p99_ms": round(float(np.percentile(ms, 99)), 3),
         "mean_forward_ms": round(1000.0 * float(np.mean(forwards)), 3),
     }
+
+
+def batch_when_queued(timelines: Iterable[dict]) -> dict:
+    """The requests per batched step among the steps that started while some request waited for its
+    first step (and was not in that step): the live side of the simulator's ``mean_batch_when_queued``
+    (``sim/simulator.py`` counts the same steps). A request waits from its arrival (the timeline's
+    origin: ``started_at - start_ms``) until its first step starts."""
+    timelines = list(timelines)
+    waits = []  # (arrival, first step start, request id)
+    for timeline in timelines:
+        steps = timeline.get("steps", [])
+        if steps:
+            first = min(steps, key=lambda s: float(s["started_at"]))
+            start = float(first["started_at"])
+            waits.append((start - float(first["start_ms"]) / 1000.0, start, timeline["id"]))
+    sizes = []
+    for steps in instance_steps(timelines).values():
+        for start, _, ids in steps:
+            if any(arrived <= start < began and rid not in ids for arrived, began, rid in waits):
+                sizes.append(len(ids))
+    return {"num_steps": len(sizes), "mean_batch": round(float(np.mean(sizes)), 3) if sizes else None}

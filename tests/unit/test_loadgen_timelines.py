@@ -1,6 +1,6 @@
 """The live stack's control-plane time per step, from hand-made request timelines."""
 
-from loadgen.timelines import instance_steps, step_gaps
+from loadgen.timelines import batch_when_queued, instance_steps, step_gaps
 
 
 def _timeline(request_id: str, steps: list[tuple[str, float, float]]) -> dict:
@@ -32,3 +32,23 @@ def test_gaps_count_where_the_instance_had_a_request_waiting_not_idle_time():
 def test_no_consecutive_steps_no_figure():
     assert step_gaps([_timeline("a", [("w0", 0.0, 50.0)])])["mean_ms"] is None
     assert step_gaps([])["num_gaps"] == 0
+
+
+def _arrived(request_id: str, arrival: float, steps: list[tuple[str, float, float]]) -> dict:
+    """A timeline whose request arrived at ``arrival`` (its steps' start_ms count from there)."""
+    timeline = _timeline(request_id, steps)
+    for step in timeline["steps"]:
+        step["start_ms"] = (step["started_at"] - arrival) * 1000.0
+    return timeline
+
+
+def test_the_batch_is_counted_only_for_steps_that_start_while_another_request_waits():
+    timelines = [
+        _arrived("a", 0.0, [("w0", 0.0, 50.0), ("w0", 0.1, 50.0), ("w0", 0.3, 50.0)]),
+        _arrived("b", 0.0, [("w0", 0.0, 50.0), ("w0", 0.1, 50.0)]),
+        # "c" arrives at 0.05 and waits until 0.3: the step at 0.1 (a, b) ran while it waited
+        _arrived("c", 0.05, [("w0", 0.3, 50.0)]),
+    ]
+    # the first step started before "c" arrived; the last one is its own first step
+    assert batch_when_queued(timelines) == {"num_steps": 1, "mean_batch": 2.0}
+    assert batch_when_queued(timelines[:2]) == {"num_steps": 0, "mean_batch": None}  # nobody waited
