@@ -20,7 +20,7 @@ from bench.common import emit_json
 LIVE_KEYS = ("completed", "failed", "slo_attainment", "accuracy", "mean_e2el_ms", "median_e2el_ms", "p99_e2el_ms",
              "mean_ttft_ms", "mean_steps", "mean_threshold", "request_throughput")
 SIM_KEYS = ("rps", "slo_attainment", "accuracy", "mean_latency_s", "p99_latency_s", "mean_steps", "mean_threshold",
-            "mean_batch_when_queued")
+            "mean_batch_when_queued", "breakdown")
 
 
 def _rate_name(rate: float) -> str:
@@ -57,6 +57,9 @@ def gather(preset: str, out_dir: Path, rates: list[float]) -> dict:
             # requests per batched step while some request waited for its first step, each side
             "mean_batch_when_queued": {"live": (live_report.get("batch_when_queued") or {}).get("mean_batch"),
                                        "sim": sim.get("mean_batch_when_queued")},
+            # seconds from arrival to the first step, each side
+            "first_step_wait_s": {"live": (live_report.get("batch_when_queued") or {}).get("mean_first_step_wait_s"),
+                                  "sim": (sim.get("breakdown") or {}).get("queueing_s")},
             "gap_pp": round(100 * abs(live["slo_attainment"] - sim["slo_attainment"]), 1),
             "gap_cp_pp": round(100 * abs(live["slo_attainment"] - sim_cp["slo_attainment"]), 1),
         })

@@ -89,7 +89,8 @@ def batch_when_queued(timelines: Iterable[dict]) -> dict:
     """The requests per batched step among the steps that started while some request waited for its
     first step (and was not in that step): the live side of the simulator's ``mean_batch_when_queued``
     (``sim/simulator.py`` counts the same steps). A request waits from its arrival (the timeline's
-    origin: ``started_at - start_ms``) until its first step starts."""
+    origin: ``started_at - start_ms``) until its first step starts; ``mean_first_step_wait_s`` is
+    that wait's mean (the simulator's ``breakdown.queueing_s``)."""
     timelines = list(timelines)
     waits = []  # (arrival, first step start, request id)
     for timeline in timelines:
@@ -103,4 +104,7 @@ def batch_when_queued(timelines: Iterable[dict]) -> dict:
         for start, _, ids in steps:
             if any(arrived <= start < began and rid not in ids for arrived, began, rid in waits):
                 sizes.append(len(ids))
-    return {"num_steps": len(sizes), "mean_batch": round(float(np.mean(sizes)), 3) if sizes else None}
+    waited = [began - arrived for arrived, began, _ in waits]
+    return {"num_steps": len(sizes), "mean_batch": round(float(np.mean(sizes)), 3) if sizes else None,
+            # from arrival to the first step's start, per request (the simulator's breakdown.queueing_s)
+            "mean_first_step_wait_s": round(float(np.mean(waited)), 3) if waited else None}

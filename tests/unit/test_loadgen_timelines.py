@@ -50,5 +50,7 @@ def test_the_batch_is_counted_only_for_steps_that_start_while_another_request_wa
         _arrived("c", 0.05, [("w0", 0.3, 50.0)]),
     ]
     # the first step started before "c" arrived; the last one is its own first step
-    assert batch_when_queued(timelines) == {"num_steps": 1, "mean_batch": 2.0}
-    assert batch_when_queued(timelines[:2]) == {"num_steps": 0, "mean_batch": None}  # nobody waited
+    assert batch_when_queued(timelines) == {"num_steps": 1, "mean_batch": 2.0,
+                                            "mean_first_step_wait_s": round(0.25 / 3, 3)}  # only "c" waited
+    nobody = batch_when_queued(timelines[:2])
+    assert (nobody["num_steps"], nobody["mean_batch"], nobody["mean_first_step_wait_s"]) == (0, None, 0.0)
