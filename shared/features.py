@@ -148,15 +148,15 @@ def step_features(
         float(block_index),
         float(num_blocks - 1 - block_index),
         *confidence_values(confidence),
-        end_blocks_left(predicted_end, gen_length, block_length, block_index),
+        end_blocks_left(predicted_end, block_length, block_index, num_blocks - 1),
     ]
 
 
-def end_blocks_left(predicted_end: int | None, gen_length: int, block_length: int, block_index: int) -> float:
-    """Blocks after ``block_index`` up to the one holding ``predicted_end`` (NaN when unknown)."""
+def end_blocks_left(predicted_end: int | None, block_length: int, block_index: int, last_block: int) -> float:
+    """Blocks after ``block_index`` up to the one holding ``predicted_end``, at most ``last_block``
+    (a position at the canvas end: the last block); NaN when unknown."""
     if predicted_end is None:
         return MISSING
-    last_block = (-(-gen_length // block_length)) - 1
     return float(max(min(predicted_end // block_length, last_block) - block_index, 0))
 
 

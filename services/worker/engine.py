@@ -525,16 +525,14 @@ class DLMEngine:
         most likely token is EOS (greedy, the mask token excluded), else the canvas end."""
         offset = 0
         for it in group:
-            state, rows = it.state, it.block_size + it.num_lookahead
-            start, _ = state.block_bounds(it.block)
-            if not self.stops_at_eos(state):
-                offset += rows
-                continue
-            scores = logits[offset:offset + rows].float()
-            scores[:, self.mask_id] = float("-inf")
-            is_eos = (scores.argmax(dim=-1) == self.eos_id).cpu().tolist()
-            masked = [p for p in range(start, start + rows) if state.canvas[p] == self.mask_id]
-            state.predicted_end = next((p for p in masked if is_eos[p - start]), state.gen_length)
+            rows = it.block_size + it.num_lookahead
+            if self.stops_at_eos(it.state):
+                scores = logits[offset:offset + rows].float()
+                scores[:, self.mask_id] = float("-inf")
+                is_eos = (scores.argmax(dim=-1) == self.eos_id).cpu().tolist()
+                start, canvas = it.state.block_bounds(it.block)[0], it.state.canvas
+                it.state.predicted_end = next((start + i for i, eos in enumerate(is_eos)
+                                               if eos and canvas[start + i] == self.mask_id), it.state.gen_length)
             offset += rows
 
     def _confidences(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -585,7 +583,8 @@ class DLMEngine:
         remaining = [float(conf[j]) for j in range(len(masked)) if not chosen[j]]
         eos_at = [p for p, t in committed if t == self.eos_id]
         if eos_at and self.predict_end and self.stops_at_eos(state):  # the answer ends there or before
-            state.predicted_end = min(min(eos_at), state.gen_length if state.predicted_end is None else state.predicted_end)
+            known = state.gen_length if state.predicted_end is None else state.predicted_end
+            state.predicted_end = min(*eos_at, known)
         skipped = self._finish_if_done(state, start, end)
         return StepResult(
             state.request_id, item.kind, item.block, [p for p, _ in committed], [t for _, t in committed],
