@@ -20,7 +20,7 @@ from bench.common import emit_json
 LIVE_KEYS = ("completed", "failed", "slo_attainment", "accuracy", "mean_e2el_ms", "median_e2el_ms", "p99_e2el_ms",
              "mean_ttft_ms", "mean_steps", "mean_threshold", "request_throughput")
 SIM_KEYS = ("rps", "slo_attainment", "accuracy", "mean_latency_s", "p99_latency_s", "mean_steps", "mean_threshold",
-            "mean_batch_when_queued", "breakdown")
+            "mean_batch_when_queued", "mean_batch_deep_queue", "num_steps_deep_queue", "breakdown")
 
 
 def _rate_name(rate: float) -> str:
@@ -57,6 +57,10 @@ def gather(preset: str, out_dir: Path, rates: list[float]) -> dict:
             # requests per batched step while some request waited for its first step, each side
             "mean_batch_when_queued": {"live": (live_report.get("batch_when_queued") or {}).get("mean_batch"),
                                        "sim": sim.get("mean_batch_when_queued")},
+            # the same over the steps composed while requests were queued, placed nowhere (a deep queue)
+            "mean_batch_deep_queue": {
+                "live": ((live_report.get("batch_when_queued") or {}).get("deep_queue") or {}).get("mean_batch"),
+                "sim": sim.get("mean_batch_deep_queue")},
             # seconds from arrival to the first step, each side
             "first_step_wait_s": {"live": (live_report.get("batch_when_queued") or {}).get("mean_first_step_wait_s"),
                                   "sim": (sim.get("breakdown") or {}).get("queueing_s")},

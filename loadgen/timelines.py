@@ -41,24 +41,27 @@ async def fetch_timelines(base_url: str, request_ids: Sequence[str], *, api_key:
     return [t for t in found if t is not None]
 
 
-def instance_steps(timelines: Iterable[dict]) -> dict[str, list[tuple[float, float, frozenset[str]]]]:
-    """instance id -> its steps in time order: (start, end, the requests in it), merged across the
-    requests' timelines (a batched step appears once per request in it)."""
-    rows: dict[str, list[tuple[float, float, str]]] = defaultdict(list)  # instance -> (start, end, request)
+def instance_steps(timelines: Iterable[dict]) -> dict[str, list[tuple[float, float, frozenset[str], int]]]:
+    """instance id -> its steps in time order: (start, end, the requests in it, the requests queued at
+    the scheduler when it composed the step), merged across the requests' timelines (a batched step
+    appears once per request in it)."""
+    rows: dict[str, list[tuple[float, float, str, int]]] = defaultdict(list)
     for timeline in timelines:
         for step in timeline.get("steps", []):
             start = float(step["started_at"])
-            rows[step["instance_id"]].append((start, start + float(step["duration_ms"]) / 1000.0, timeline["id"]))
-    merged: dict[str, list[tuple[float, float, frozenset[str]]]] = {}
+            rows[step["instance_id"]].append((start, start + float(step["duration_ms"]) / 1000.0, timeline["id"],
+                                              int(step.get("queued", 0))))
+    merged: dict[str, list[tuple[float, float, frozenset[str], int]]] = {}
     for instance, steps in rows.items():
         steps.sort()
-        out: list[tuple[float, float, set[str]]] = []
-        for start, end, request_id in steps:
+        out: list[list] = []
+        for start, end, request_id, queued in steps:
             if out and start - out[-1][0] < SAME_STEP_S:
                 out[-1][2].add(request_id)
+                out[-1][3] = max(out[-1][3], queued)
             else:
-                out.append((start, end, {request_id}))
-        merged[instance] = [(s, e, frozenset(ids)) for s, e, ids in out]
+                out.append([start, end, {request_id}, queued])
+        merged[instance] = [(s, e, frozenset(ids), q) for s, e, ids, q in out]
     return merged
 
 
@@ -67,8 +70,8 @@ def step_gaps(timelines: Iterable[dict]) -> dict:
     instance that share a request, in ms (mean, quantiles, how many), and the forwards' mean time."""
     gaps, forwards = [], []
     for steps in instance_steps(timelines).values():
-        forwards.extend(end - start for start, end, _ in steps)
-        for (_, end, ids), (start, _, next_ids) in zip(steps, steps[1:], strict=False):
+        forwards.extend(end - start for start, end, _, _ in steps)
+        for (_, end, ids, _), (start, _, next_ids, _) in zip(steps, steps[1:], strict=False):
             if ids & next_ids:
                 gaps.append(max(0.0, start - end))
     if not gaps:
@@ -90,7 +93,13 @@ def batch_when_queued(timelines: Iterable[dict]) -> dict:
     first step (and was not in that step): the live side of the simulator's ``mean_batch_when_queued``
     (``sim/simulator.py`` counts the same steps). A request waits from its arrival (the timeline's
     origin: ``started_at - start_ms``) until its first step starts; ``mean_first_step_wait_s`` is
-    that wait's mean (the simulator's ``breakdown.queueing_s``)."""
+    that wait's mean (the simulator's ``breakdown.queueing_s``).
+
+    Such a request may be queued at the scheduler, or placed on an instance whose step still runs
+    (it joins the next one there): at light load the other instance's steps then start without it.
+    ``deep_queue`` counts only the steps the scheduler composed while requests were queued, placed
+    nowhere (the step records' ``queued``): where an instance with free slots should fill them (the
+    simulator's ``mean_batch_deep_queue``)."""
     timelines = list(timelines)
     waits = []  # (arrival, first step start, request id)
     for timeline in timelines:
@@ -99,12 +108,15 @@ def batch_when_queued(timelines: Iterable[dict]) -> dict:
             first = min(steps, key=lambda s: float(s["started_at"]))
             start = float(first["started_at"])
             waits.append((start - float(first["start_ms"]) / 1000.0, start, timeline["id"]))
-    sizes = []
+    sizes, deep = [], []
     for steps in instance_steps(timelines).values():
-        for start, _, ids in steps:
+        for start, _, ids, queued in steps:
             if any(arrived <= start < began and rid not in ids for arrived, began, rid in waits):
                 sizes.append(len(ids))
+            if queued:
+                deep.append(len(ids))
     waited = [began - arrived for arrived, began, _ in waits]
     return {"num_steps": len(sizes), "mean_batch": round(float(np.mean(sizes)), 3) if sizes else None,
             # from arrival to the first step's start, per request (the simulator's breakdown.queueing_s)
-            "mean_first_step_wait_s": round(float(np.mean(waited)), 3) if waited else None}
+            "mean_first_step_wait_s": round(float(np.mean(waited)), 3) if waited else None,
+            "deep_queue": {"num_steps": len(deep), "mean_batch": round(float(np.mean(deep)), 3) if deep else None}}

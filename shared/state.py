@@ -122,6 +122,7 @@ class StepRecord(msgspec.Struct, frozen=True, kw_only=True):
     committed_positions: list[int] = []  # canvas indices it committed
     batch_size: int = 1  # requests in the same forward
     loaded_state: bool = False  # the worker loaded the state from Redis first (migration or restart)
+    queued: int = 0  # requests queued at the scheduler (placed nowhere) when it composed the step
     started_at: float  # unix time (s) the forward started
     duration_s: float  # step time on the worker
     confidence: ConfidenceStats | None = None  # still-masked confidences after the step

@@ -286,6 +286,10 @@ def run_point(setup_: Setup, label: str, point_index: int, engine_name: str | No
         # the instances' maximum batch (1.0: every such step ran full)
         mean_batch_when_queued=round(sim.queued_items / sim.queued_steps, 3) if sim.queued_steps else None,
         batch_fill_when_queued=round(sim.queued_items / sim.queued_max_items, 4) if sim.queued_steps else None,
+        # and over the steps composed while requests were queued, placed nowhere (a deep queue)
+        mean_batch_deep_queue=round(sim.deep_items / sim.deep_steps, 3) if sim.deep_steps else None,
+        batch_fill_deep_queue=round(sim.deep_items / sim.deep_max_items, 4) if sim.deep_steps else None,
+        num_steps_deep_queue=sim.deep_steps,
         breakdown=breakdown(result.records, sim.reconfiguration_instance_s),
     )
     summary["reconfiguration"] = reconfigures

@@ -147,6 +147,11 @@ class Simulator:
         self.queued_steps = 0
         self.queued_items = 0
         self.queued_max_items = 0
+        # the same over the steps composed while requests sat in the scheduler's queue, placed nowhere
+        # (StepCommand.num_queued): a deep queue, where an instance with free slots should fill them
+        self.deep_steps = 0
+        self.deep_items = 0
+        self.deep_max_items = 0
         self.reconfiguration_instance_s = 0.0  # instance-seconds out of service for plans (start-up, drain)
         self._draining_since: dict[str, float] = {}
         self._held: dict[str, StepCommand] = {}  # instance id -> the command held for the step after it
@@ -331,6 +336,10 @@ class Simulator:
             self.queued_steps += 1
             self.queued_items += len(command.items)
             self.queued_max_items += self.view.instances[iid].max_batch
+        if command.num_queued:
+            self.deep_steps += 1
+            self.deep_items += len(command.items)
+            self.deep_max_items += self.view.instances[iid].max_batch
         for it, r in zip(command.items, requests, strict=True):
             record = self.records[it.request_id]
             if record.first_step_s is None:

@@ -231,7 +231,7 @@ def timeline(record, steps: Sequence, codec) -> dict:
     rows = [{
         "step_index": s.step_index, "instance_id": s.instance_id, "kind": s.kind.name.lower(),
         "block_index": s.block_index, "threshold": s.threshold, "batch_size": s.batch_size,
-        "loaded_state": s.loaded_state, "committed_positions": list(s.committed_positions),
+        "loaded_state": s.loaded_state, "queued": s.queued, "committed_positions": list(s.committed_positions),
         "tokens_committed": len(s.committed_positions),
         "committed_text": "".join(tokens[p] for p in s.committed_positions if 0 <= p < len(tokens)),
         "start_ms": (s.started_at - origin) * 1000.0, "duration_ms": s.duration_s * 1000.0,

@@ -450,7 +450,8 @@ class WorkerService:
                 step_index=record.num_steps, instance_id=self.instance_id, kind=outcome.kind,
                 block_index=outcome.block_index, threshold=item.threshold,
                 committed_positions=list(outcome.committed_positions), batch_size=len(batch),
-                loaded_state=item.request_id in loaded, started_at=started, duration_s=duration,
+                loaded_state=item.request_id in loaded, queued=command.num_queued, started_at=started,
+                duration_s=duration,
                 confidence=_wire_confidence(outcome.confidence),
             )]
         save = await retry_transient(lambda: self.store.save_many(new_records, new_steps),

@@ -48,6 +48,7 @@ class StepCommand(Message, kw_only=True):
     after_step_id: int = 0  # 0: run on arrival; else the step this conditional command follows
     min_masked: int = 0  # the condition above (with after_step_id)
     drop_finished: bool = False  # with after_step_id: requests that finished are left out, the rest go on
+    num_queued: int = 0  # requests queued at the scheduler (placed nowhere) when it composed this; for step records
 
 
 class FailureKind(StrEnum):

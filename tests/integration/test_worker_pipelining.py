@@ -72,9 +72,10 @@ class Bench:
         return await self.store.create(record)
 
     async def send(self, step_id: int, items: list[StepItem], after: int = 0, min_masked: int = 0,
-                   drop: tuple[str, ...] = ()) -> None:
+                   drop: tuple[str, ...] = (), num_queued: int = 0) -> None:
         command = StepCommand(instance_id=INSTANCE, step_id=step_id, items=items, issued_at=time.time(),
-                              after_step_id=after, min_masked=min_masked, drop_request_ids=list(drop))
+                              after_step_id=after, min_masked=min_masked, drop_request_ids=list(drop),
+                              num_queued=num_queued)
         await self.nc.publish(self.subjects.step(INSTANCE), codec.encode(command))
 
     async def wait_results(self, count: int, timeout_s: float = 10.0) -> list[StepResults]:
@@ -98,7 +99,7 @@ def test_a_held_command_runs_right_after_its_step(nats_server, redis_server, uni
             a, b = await bench.request("a"), await bench.request("b")
             first = [StepItem(request_id=r.request_id, threshold=0.9, state_version=r.version) for r in (a, b)]
             after = [StepItem(request_id=r.request_id, threshold=0.7, state_version=r.version + 1) for r in (a, b)]
-            await bench.send(10, first)
+            await bench.send(10, first, num_queued=3)
             await bench.send(11, after, after=10, min_masked=32)
             results = await bench.wait_results(2)
             assert results[0].step_id == 10 and results[0].continued_step_id == 11
@@ -108,6 +109,8 @@ def test_a_held_command_runs_right_after_its_step(nats_server, redis_server, uni
             stored = await bench.store.load("a")
             assert stored.version == 3 and stored.threshold_history == [0.9, 0.7]
             assert bench.worker.num_continued == 1
+            # each step record keeps what the scheduler had queued when it composed the step
+            assert [s.queued for s in await bench.store.load_steps("a")] == [3, 0]
         finally:
             await bench.close()
 

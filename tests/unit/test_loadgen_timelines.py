@@ -11,8 +11,8 @@ def _timeline(request_id: str, steps: list[tuple[str, float, float]]) -> dict:
 def test_a_batched_step_is_one_step_of_its_instance():
     timelines = [_timeline("a", [("w0", 10.0, 50.0), ("w0", 10.056, 50.0)]),
                  _timeline("b", [("w0", 10.0, 50.0)])]
-    [(start, end, ids), second] = instance_steps(timelines)["w0"]
-    assert (start, ids) == (10.0, {"a", "b"}) and abs(end - 10.05) < 1e-9 and second[2] == {"a"}
+    [(start, end, ids, queued), second] = instance_steps(timelines)["w0"]
+    assert (start, ids, queued) == (10.0, {"a", "b"}, 0) and abs(end - 10.05) < 1e-9 and second[2] == {"a"}
 
 
 def test_gaps_count_where_the_instance_had_a_request_waiting_not_idle_time():
@@ -51,6 +51,23 @@ def test_the_batch_is_counted_only_for_steps_that_start_while_another_request_wa
     ]
     # the first step started before "c" arrived; the last one is its own first step
     assert batch_when_queued(timelines) == {"num_steps": 1, "mean_batch": 2.0,
-                                            "mean_first_step_wait_s": round(0.25 / 3, 3)}  # only "c" waited
+                                            "mean_first_step_wait_s": round(0.25 / 3, 3),  # only "c" waited
+                                            "deep_queue": {"num_steps": 0, "mean_batch": None}}
     nobody = batch_when_queued(timelines[:2])
     assert (nobody["num_steps"], nobody["mean_batch"], nobody["mean_first_step_wait_s"]) == (0, None, 0.0)
+
+
+def test_a_deep_queue_is_what_the_scheduler_had_queued_when_it_composed_the_step():
+    """Not every wait is a queue: "c" waits for w1's step while w0 starts one without it (light load);
+    only the step composed while "d" sat in the scheduler's queue, placed nowhere, counts as under a
+    deep queue (the step records' ``queued``)."""
+    timelines = [
+        _arrived("a", 0.0, [("w0", 0.0, 50.0), ("w0", 0.1, 50.0)]),
+        _arrived("b", 0.0, [("w1", 0.0, 80.0), ("w1", 0.2, 80.0)]),
+        _arrived("c", 0.05, [("w1", 0.2, 80.0)]),
+        _arrived("d", 0.15, [("w0", 0.4, 50.0)]),
+    ]
+    timelines[0]["steps"][1]["queued"] = 0  # w0 at 0.1, while "c" waited for w1: not a queue
+    timelines[1]["steps"][1]["queued"] = timelines[2]["steps"][0]["queued"] = 1  # w1 at 0.2, "d" queued
+    report = batch_when_queued(timelines)
+    assert report["num_steps"] == 2 and report["deep_queue"] == {"num_steps": 1, "mean_batch": 2.0}

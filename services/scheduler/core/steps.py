@@ -435,7 +435,7 @@ class StepScheduler:
     def _send(self, now: float, instance_id: str, st: InstanceSteps, items: list[StepItem]) -> list[StepCommand]:
         self._step_seq += 1
         command = StepCommand(instance_id=instance_id, step_id=self._step_seq, items=items,
-                              drop_request_ids=st.drop_ids, issued_at=now)
+                              drop_request_ids=st.drop_ids, issued_at=now, num_queued=self.view.num_queued)
         st.drop_ids = []
         if not items:
             return [command]
@@ -492,7 +492,7 @@ class StepScheduler:
         # command that does not run leaves them to the next command)
         command = StepCommand(instance_id=instance_id, step_id=self._step_seq, items=items, issued_at=now,
                               after_step_id=st.busy_step_id, drop_finished=drop_finished,
-                              drop_request_ids=list(st.drop_ids))
+                              drop_request_ids=list(st.drop_ids), num_queued=self.view.num_queued)
         st.next_step_id = self._step_seq
         st.next_sent[self._step_seq] = (pairs, drop_finished, command)
         return [command]

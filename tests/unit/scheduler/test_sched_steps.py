@@ -218,6 +218,16 @@ def test_a_request_placed_while_an_instance_runs_joins_its_held_step():
     assert core.view.requests["c"].holder_id == "i0" and second.ignored == []
 
 
+
+def test_a_command_says_how_many_requests_the_scheduler_had_queued_when_it_composed_it():
+    """``StepCommand.num_queued`` (kept in the step records: the live side of a deep queue's batch)."""
+    core = make_core(PIPELINED)
+    [full] = plain(arrive(core, *(f"r{i}" for i in range(10))))  # the toy profile's max batch is 8
+    assert (len(full.items), full.num_queued) == (8, 2)
+    core2 = make_core(PIPELINED)
+    out = arrive(core2, "a")
+    assert [c.num_queued for c in out.commands] == [0, 0]  # the step and the one held after it
+
 def test_a_pipelined_step_runs_at_the_threshold_replanned_after_the_step_before_last():
     core = make_core(PIPELINED)
     out = arrive(core, "r0", "r1", slo_s=60.0)
