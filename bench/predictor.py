@@ -43,8 +43,8 @@ from services.predictor.core.evaluation import aged_one_shot, errors, granularit
 from services.predictor.core.model import ModelError, StepModel
 from services.predictor.core.predictor import InProcessPredictor, PredictionQuery
 from services.predictor.traces import DEFAULT_THRESHOLDS, TraceSet, read_traces
-from shared.features import CONFIDENCE_FEATURE_NAMES, FEATURE_NAMES
 from services.predictor.training import ONE_SHOT, SERVED, evaluate, fit, predict_remaining
+from shared.features import CONFIDENCE_FEATURE_NAMES, FEATURE_NAMES
 
 MODELS = {"one_shot": ONE_SHOT, "progress": "progress", "progress_confidence": SERVED}
 BATCH_ROWS = (1, 64, 1024)
