@@ -91,6 +91,15 @@ def test_batches_draw_canvases_and_hold_the_long_family(tmp_path):
     assert len(widths) > 10 and long_batches > 5
 
 
+
+def test_tight_canvases_round_the_longest_short_answer_up_to_the_block(tmp_path):
+    trainer = Trainer(_tiny(tmp_path, steps=1, chain_share=0.0, truncate_share=0.0, tight_canvas_share=1.0))
+    block = trainer.cfg.block_length
+    for _ in range(20):
+        _, _, region, answer_lengths, _ = trainer._batch()
+        gen_length = int(region[0].sum())
+        assert gen_length % block == 0 and gen_length - block < max(answer_lengths) <= gen_length
+
 def test_semi_autoregressive_rows_have_a_clean_prefix_and_a_masked_suffix():
     tokenizer = CharTokenizer()
     problems = TaskGenerator(seed=0).problems(8, max_shots=0, split=Split.TRAIN)
