@@ -65,12 +65,12 @@ class DiLaServeConfig(BaseModel):
     reject_infeasible: bool = False  # reject at placement if even the lowest threshold is too slow
     # Algorithm 1 plans against this share of the remaining budget (the rest absorbs what the estimate
     # at the current batch cannot see: batches that grow while the request runs, and the steps the
-    # predictor's median misses by). 0.6 was set with a predictor that over-counted steps by about 8%
-    # on short answers; the median predictor reads that margin as slack, so the share carries it:
-    # 0.6 / 1.3. At 0.46 against 0.6 (quick presets, the guard's seed): paper-bench-long 2x 90.9%
-    # against 81.0%, the Azure conversation trace 71.1 / 93.0 / 100% against 67.3 / 90.5 / 98.4% at
-    # 1.5 / 1.2 / 0.9x, paper-bench 2x 53.1% against 52.2%, accuracy unchanged (docs/notes.md, item 11)
-    budget_share: float = Field(0.46, gt=0.0, le=1.0)
+    # predictor's median misses by). 0.6 was set with a predictor that over-counted steps by about 8%;
+    # the median predictor reads that margin as slack (docs/notes.md, item 11). With the stage-7 model
+    # and unpredicted_at_max (quick presets, the guard's seed, 2x): 0.40 gives paper-bench-long 90.0%,
+    # paper-bench 90.9%, at most 0.8 accuracy points lost anywhere; 0.46: 86.8% / 90.3%, the same
+    # accuracy; 0.6: 83.0% / 91.9% (docs/notes.md, item 15)
+    budget_share: float = Field(0.40, gt=0.0, le=1.0)
     # with load control: Algorithm 1 costs a request's steps at the batch its instance will run
     # under the current load (active requests spread over the live instances) when that is larger
     # than the batch of the moment (a queue means batches are about to grow)
@@ -79,6 +79,12 @@ class DiLaServeConfig(BaseModel):
     # first placement, and keeps it; load control, when on, still caps it at every step
     plan_once: bool = False
     tie_break: Literal["first", "random"] = "first"
+    # a request's first step, before any step prediction, runs at its allowed maximum (load
+    # control's cap) instead of Algorithm 1's choice on the fallback estimate, which counts every
+    # canvas position and so lowers the threshold of exactly the step that decides a short answer
+    # (a sum is written in its first step); later steps without a prediction plan on the fallback. Off, the Azure code trace lost up to 1.2 accuracy points
+    # at loads the baselines meet (a fifth of first steps ran at 0.7); on, 0.8 (docs/notes.md, item 15)
+    unpredicted_at_max: bool = True
 
 
 class NoLoadControlConfig(DiLaServeConfig):
@@ -336,6 +342,9 @@ class DiLaServePolicy:
         )
         if self.config.plan_once:
             index = self._planned_once(requests, index, self.table.lo[table_rows], hi[table_rows])
+        if self.config.unpredicted_at_max:  # the first step, before any prediction (config)
+            unpredicted = np.array([r.prediction is None and r.num_steps_done == 0 for r in requests])
+            index = np.where(unpredicted, hi[table_rows], index)
         return index.tolist(), estimate.tolist(), hi[table_rows].tolist()
 
     def _planned_once(self, requests: list[Request], chosen: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:

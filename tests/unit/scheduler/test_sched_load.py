@@ -181,8 +181,9 @@ def _lopsided_thresholds(slo_s: float, load_aware: bool) -> float:
     from services.scheduler.core import SchedulingLoop, make_policy
     from tests.unit.scheduler.sched_builders import make_request, make_view, toy_profile
 
-    loop = SchedulingLoop(make_policy("dilaserve", {"load_aware_batch": load_aware}, rng=0),
-                          make_view(toy_profile(), [1]))
+    # Algorithm 1's choice at arrival, on the fallback estimate (not the first step's top threshold)
+    loop = SchedulingLoop(make_policy("dilaserve", {"load_aware_batch": load_aware, "unpredicted_at_max": False},
+                                      rng=0), make_view(toy_profile(), [1]))
     loop.on_arrivals(0.0, [make_request(f"r{k}", slo_s=600.0) for k in range(7)])
     loop.view.add_instance("i1", 1, toy_profile(), node_id="n0")  # joins after them, empty
     decisions = loop.on_arrival(0.0, make_request("last", slo_s=slo_s))

@@ -57,6 +57,22 @@ def test_no_loadctl_ablation_uses_algorithm_1_alone(profile):
     assert first_threshold(profile, slo_s=1.15, policy="dilaserve-no-loadctl") == 0.8
 
 
+
+def test_a_request_with_no_prediction_yet_runs_its_first_step_at_its_allowed_maximum(profile):
+    """The fallback counts every canvas position (an upper bound): on it Algorithm 1 would lower the
+    threshold of the step that decides a short answer. Once a prediction is in, it plans again."""
+    loop = SchedulingLoop(make_policy("dilaserve", {"budget_share": 1.0}), make_view(profile, [1]))
+    (assignment,) = loop.on_arrival(0.0, make_request("r", slo_s=0.5)).assignments
+    assert assignment.threshold == 0.95  # nothing fits 0.5 s on the fallback, yet the first step is the top
+    assert first_threshold(profile, slo_s=0.5) == 0.5  # with a prediction at arrival: Algorithm 1's choice
+    blind = SchedulingLoop(make_policy("dilaserve", {"budget_share": 1.0, "unpredicted_at_max": False}),
+                           make_view(profile, [1]))
+    (assignment,) = blind.on_arrival(0.0, make_request("r", slo_s=0.5)).assignments
+    assert assignment.threshold == 0.5
+    result = step_result("i0", StepOutcome("r", 1, recompute=True, prediction=uniform_prediction(PREDICTION, 1)))
+    (assignment,) = loop.on_step_result(0.1, result).assignments
+    assert assignment.threshold == 0.5
+
 def test_estimate_counts_recompute_and_cache_steps_apart():
     choice = ThresholdController.choose([2, 2, 2], [10, 20, 40], alpha_s=0.5, beta_s=0.01, budget_s=1.25, lo=0, hi=2)
     assert choice.index == 1 and choice.fits
