@@ -82,8 +82,9 @@ class DiLaServeConfig(BaseModel):
     # a request's first step, before any step prediction, runs at its allowed maximum (load
     # control's cap) instead of Algorithm 1's choice on the fallback estimate, which counts every
     # canvas position and so lowers the threshold of exactly the step that decides a short answer
-    # (a sum is written in its first step); later steps without a prediction plan on the fallback. Off, the Azure code trace lost up to 1.2 accuracy points
-    # at loads the baselines meet (a fifth of first steps ran at 0.7); on, 0.8 (docs/notes.md, item 15)
+    # (a sum is written in its first step); later steps without a prediction plan on the fallback.
+    # Off, the Azure code trace lost up to 1.2 accuracy points at loads the baselines meet (a fifth of
+    # first steps ran at 0.7); on, 0.8 (docs/notes.md, item 15)
     unpredicted_at_max: bool = True
 
 

@@ -50,6 +50,22 @@ def test_dilaserve_lowers_thresholds_under_load(tiny_setup):
     assert dila["slo_attainment"] >= infaas["slo_attainment"]
 
 
+
+def test_steps_composed_under_a_queue_are_counted_apart_and_run_fuller(tiny_setup):
+    """``mean_batch_deep_queue``: the steps whose command the core composed while requests sat in its
+    queue, placed nowhere (``StepCommand.num_queued``); none at a light load, fuller than the average
+    step in overload (batches of at most 4, so that a queue forms)."""
+    def at(rate_mult):
+        preset = dataclasses.replace(tiny_setup.preset, cluster=dataclasses.replace(tiny_setup.preset.cluster, max_batch=4),
+                                     points=(dataclasses.replace(tiny_setup.preset.points[0], rate_mult=rate_mult),))
+        return experiments.run_point(dataclasses.replace(tiny_setup, preset=preset), "dilaserve", 0)
+
+    light, heavy = at(0.2), at(3.0)
+    assert light["num_steps_deep_queue"] == 0 and light["mean_batch_deep_queue"] is None
+    assert 0 < heavy["num_steps_deep_queue"] <= heavy["batched_steps"]
+    assert heavy["mean_batch_deep_queue"] > heavy["mean_batch"]
+    assert 0 < heavy["batch_fill_deep_queue"] <= 1
+
 def test_capacity_search_brackets_the_target(tiny_setup):
     result = experiments.capacity(tiny_setup, "fixed-0.9", target=0.9, max_iterations=6)
     assert result["max_rps"] > 0
