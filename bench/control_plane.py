@@ -10,12 +10,15 @@ core decision, dispatch, two NATS hops; the worker's own Redis write is part of 
 the overhead); a pipelined step (run from a command the worker held) pays none, and
 ``overhead_round_trip_ms`` reports the others apart. Measured in the same run, as the physical
 floor: the bare NATS request/reply round trip between the two processes and one Redis pipeline
-round trip. Request lengths are spread (``--gen-length-spread``) and measuring starts once the
-first wave has turned over, so the requests of an instance are at different points of their blocks.
+round trip. The worker processes stand in for accelerator hosts and run at a lower CPU priority
+(``--worker-nice``, 10): in a deployment they do not share the scheduler's cores. Request lengths
+are spread (``--gen-length-spread``) and measuring starts once the first wave has turned over, so
+the requests of an instance are at different points of their blocks.
 
     python -m bench.control_plane --json runs/bench-control-plane.json
 
-JSON: ``overhead_ms`` (p50, p99), ``overhead_round_trip_ms``, ``pipelined_share``, ``gpu_idle_share``
+JSON: ``overhead_ms`` (p50, p99), ``overhead_round_trip_ms``, ``pipelined_share`` (of which
+``repeated_share``: a held command's repeat, none having come in time), ``gpu_idle_share``
 (the share of the instances' wall time with requests held and no step running), ``floor_ms``
 (nats_rtt, redis_rtt: p50), ``steps_per_s`` (request steps per second, summed over instances),
 ``commands_per_s``, ``instances``, ``requests``.
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import random
@@ -74,6 +78,7 @@ async def run_workers(args) -> None:
             self.commands = 0  # steps run (commanded or pipelined)
             self.pipelined = 0  # steps run from a held command in hand when the step before ended
             self.late = 0  # steps run from a held command that came after the step before ended
+            self.repeated_before = 0  # num_repeated when measuring began
             self.measuring = False
             self.measure_start = 0.0  # perf_counter when measuring began
             self.idle_since: float | None = None  # results out, requests held, no step running since then
@@ -160,6 +165,7 @@ async def run_workers(args) -> None:
                 w.round_trip_gaps.clear()
                 w.to_issue.clear()
                 w.pipelined = w.late = w.commands = w.request_steps = 0
+                w.repeated_before = w.num_repeated
                 w.idle_s = 0.0
                 w.flight.clear()
             await msg.respond(b"ok")
@@ -176,6 +182,7 @@ async def run_workers(args) -> None:
                 "round_trip_gaps_s": [g for w in workers for g in w.round_trip_gaps],
                 "pipelined": sum(w.pipelined for w in workers),
                 "late": sum(w.late for w in workers),
+                "repeated": sum(w.num_repeated - w.repeated_before for w in workers),
                 "to_issue_s": [g for w in workers for g in w.to_issue],
                 "flight_s": [g for w in workers for g in w.flight],
                 "request_steps": sum(w.request_steps for w in workers),
@@ -313,6 +320,7 @@ async def run_scheduler_and_load(args, nats_url: str, redis_url: str, prefix: st
                 "round_trip_gaps_s": [g for p in parts for g in p["round_trip_gaps_s"]],
                 "pipelined": sum(p["pipelined"] for p in parts),
                 "late": sum(p["late"] for p in parts),
+                "repeated": sum(p["repeated"] for p in parts),
                 "to_issue_s": [g for p in parts for g in p["to_issue_s"]],
                 "flight_s": [g for p in parts for g in p["flight_s"]],
                 "request_steps": sum(p["request_steps"] for p in parts),
@@ -347,6 +355,9 @@ async def run_scheduler_and_load(args, nats_url: str, redis_url: str, prefix: st
         "pipelined_share": measured["pipelined"] / max(measured["commands"], 1),
         # steps that waited for a held command, sent before the step they follow ended (no pass between)
         "late_held_share": measured["late"] / max(measured["commands"], 1),
+        # of the pipelined steps, those run as a repeat of the command before (none had come in time)
+        "repeated_share": measured["repeated"] / max(measured["commands"], 1),
+        "worker_nice": args.worker_nice,
         # the accelerator's idle time while work is there: the share of each instance's measured wall
         # time in which it held requests but ran no step (results out, next step not started), summed
         "gpu_idle_share": measured["idle_s"] / max(measured["instance_s"], 1e-9),
@@ -418,6 +429,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worker-procs", type=int, default=2,
                    help="processes the instances are spread over (in production each instance is its own process; "
                         "one asyncio loop for all of them queues each command behind the others' steps)")
+    p.add_argument("--worker-nice", type=int, default=10,
+                   help="CPU priority the worker processes give up (nice, 0-19). They stand in for accelerator hosts, "
+                        "whose CPUs the scheduler does not share in a deployment; on one machine they yield to the "
+                        "control plane when both want a core (0: equal)")
     p.add_argument("--step-ms", type=float, default=0.0,
                    help="accelerator time per step: the step waits this long with the CPU free (0: none)")
     p.add_argument("--gen-length-spread", type=float, default=0.5,
@@ -437,6 +452,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not 0 <= args.gen_length_spread < 1:
         p.error("--gen-length-spread must be in [0, 1)")
+    if not 0 <= args.worker_nice <= 19:
+        p.error("--worker-nice must be in [0, 19]")
     if args.warmup is None:
         args.warmup = max(3.0, 1.5 * args.gen_length * args.step_ms / 1000.0)
     if args.workers_only:
@@ -462,7 +479,8 @@ def main(argv: list[str] | None = None) -> int:
                                str(count), "--first-instance", str(first), "--max-batch", str(args.max_batch),
                                "--step-ms", str(args.step_ms), "--nats", nats_url, "--redis", redis_url,
                                "--prefix", prefix]
-                workers.append(subprocess.Popen(worker_argv, env=env, stdout=subprocess.PIPE, text=True))
+                workers.append(subprocess.Popen(worker_argv, env=env, stdout=subprocess.PIPE, text=True,
+                                                preexec_fn=functools.partial(os.nice, args.worker_nice)))
             for proc in workers:
                 if "workers ready" not in (proc.stdout.readline() or ""):
                     raise RuntimeError("a worker process did not start")

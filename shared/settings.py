@@ -16,6 +16,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.messages.codec import DEFAULT_MAX_PAYLOAD_BYTES
+from shared.pipelining import DEFAULT_HELD_REPEATS
 from shared.state import DEFAULT_COMPLETED_TTL_S
 from shared.subjects import DEFAULT_PREFIX, Subjects, check_id
 
@@ -168,6 +169,10 @@ class SchedulerSettings(ServiceSettings):
     pipeline_steps: bool = _own("scheduler", "pipeline_steps", True,
                                 "pipelining (with overlap): while a step runs, send the command for the step after "
                                 "it, which the worker runs at once if its batch is unchanged (no round trip)")
+    held_repeats: int = _own("scheduler", "held_repeats", DEFAULT_HELD_REPEATS,
+                             "pipelining: a command may run again up to this many steps where its worker has no "
+                             "newer one in hand when a step ends (the scheduler lags behind the workers); 0: never",
+                             ge=0)
     stats_interval_s: float = _own("scheduler", "stats_interval_s", 10.0, "period of workload stats", gt=0)
     completed_ttl_s: float = _own("scheduler", "completed_ttl_s", DEFAULT_COMPLETED_TTL_S,
                                   "finished requests stay in Redis this long", gt=0)

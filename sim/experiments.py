@@ -278,8 +278,10 @@ def run_point(setup_: Setup, label: str, point_index: int, engine_name: str | No
         scale=None if workload.scale is None else round(workload.scale, 4),
         duration_s=round(workload.duration_s, 3), wall_s=round(result.wall_s, 3), num_events=result.num_events,
         # as the live scheduler counts them: steps an instance went on with before the pass (overlap,
-        # pipelining included), and of those, steps run from a held command (pipelining)
+        # pipelining included), of those, steps run from a held command (pipelining), and steps run
+        # as a command's repeat (none: the simulator's held commands are never late)
         continued_steps=sim.core.counters["continued_steps"], pipelined_steps=sim.core.counters["pipelined_steps"],
+        repeated_steps=sim.core.counters["repeated_steps"],
         # batched steps run and the requests each carried on average (the workers log their steps)
         batched_steps=sim.batched_steps, mean_batch=round(sim.batched_items / max(sim.batched_steps, 1), 3),
         # the same over the steps that started while requests waited in the queue, and that mean over

@@ -34,7 +34,7 @@ from services.scheduler.core import (
     StepScheduler,
 )
 from shared.messages.steps import StepCommand
-from shared.pipelining import held_step
+from shared.pipelining import next_step
 from sim.cluster import PendingStart, SimCluster
 from sim.engines import EngineOutcome, SimEngine
 from sim.events import EventQueue, SimEvent
@@ -236,11 +236,11 @@ class Simulator:
 
     def _go_on(self, instance_id: str, step: StepCommand, outcomes: list[EngineOutcome]) -> StepCommand | None:
         held = self._held.pop(instance_id, None)
-        if held is None or held.after_step_id != step.step_id or instance_id in self.cluster.draining_ids:
+        if instance_id in self.cluster.draining_ids:
             return None
         stepped = [_Stepped(o.request_id, o.finished, o.block_done, o.num_masked, self._versions[o.request_id])
                    for o in outcomes]
-        nxt = held_step(step, held, stepped)
+        nxt = next_step(step, held, stepped)  # the held command, or the step once more (repeats)
         if nxt is not None:
             self._start(nxt)
         return nxt

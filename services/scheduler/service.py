@@ -187,7 +187,8 @@ class SchedulerService:
         # step ids start at the clock in microseconds, so a restarted scheduler never reuses an id
         # that a worker may still answer for its predecessor
         self.core = StepScheduler(SchedulingLoop(policy if policy is not None else load_policy(settings)),
-                                  StepConfig(settings.overlap_min_tokens, settings.pipeline_steps),
+                                  StepConfig(settings.overlap_min_tokens, settings.pipeline_steps,
+                                             settings.held_repeats),
                                   first_step_id=int(clock() * 1_000_000))
         self.view = self.core.view
         self.mask_token_id = mask_token_id

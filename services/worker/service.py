@@ -59,7 +59,7 @@ from shared.messages.steps import (
     StepResults,
 )
 from shared.metrics import WorkerMetrics, serve_metrics
-from shared.pipelining import held_step
+from shared.pipelining import held_step, next_step
 from shared.profiles import LatencyProfile
 from shared.retry import retry_transient
 from shared.runtime import connect_nats, freeze_startup_heap, on_stop_signals
@@ -149,6 +149,10 @@ class WorkerService:
         self.num_continued = 0  # steps run from a held conditional command
         self.num_late_next = 0  # conditional commands that came after their step had ended (and did not run)
         self.num_late_held = 0  # steps run from a conditional command that came after its step had ended
+        self.num_repeated = 0  # steps run as a held command's repeat (``StepCommand.repeats``), none in hand
+        # the chain: the step ids from the last command the scheduler sent that ran, through the
+        # repeats run after it, to the latest (a late held command for one of them applies to the latest)
+        self._chain = (0, 0)
         # the last step, if it ended with no conditional command in hand (its results say awaits_held):
         # (its command, its results); the first one for it that comes and passes the rule runs then
         self._awaiting: tuple[StepCommand, StepResults] | None = None
@@ -304,6 +308,7 @@ class WorkerService:
         if command.items:
             self._awaiting = None  # the scheduler decided the next step itself
             self._open_steps.add(command.step_id)
+            self._chain = (command.step_id, command.step_id)
         self._start(command, msg.headers)
 
     def _start(self, command: StepCommand, headers: dict | None, continued: bool = False) -> None:
@@ -361,13 +366,18 @@ class WorkerService:
     # --- pipelining: the scheduler's command for the step after the running one -------------------
 
     def _hold_next(self, command: StepCommand, headers: dict | None) -> None:
-        """Keep a conditional command until the step it follows ends. One that comes after that step
-        ended with none in hand runs now if it passes the rule (the scheduler, judging the same on the
-        results, expects it); any other late one is dropped (its step's results have gone out saying
-        the worker did not go on)."""
-        if command.after_step_id in self._open_steps:
-            self._next[command.after_step_id] = (command, headers)
-        elif self._awaiting is not None and self._awaiting[0].step_id == command.after_step_id:
+        """Keep a conditional command until the step it follows ends; one for an earlier step of the
+        running chain (the worker repeated since) until the chain's step ends. One that comes after
+        that step ended with none in hand runs now if it passes the rule (the scheduler, judging the
+        same on the results, expects it); any other late one is dropped (its step's results have gone
+        out saying the worker did not go on)."""
+        after = command.after_step_id
+        first, latest = self._chain
+        if after in self._open_steps:
+            self._next[after] = (command, headers)
+        elif first <= after < latest and latest in self._open_steps:
+            self._next[latest] = (command, headers)  # rebased onto it when it ends
+        elif self._awaiting is not None and first <= after <= self._awaiting[0].step_id == latest:
             self._run_late(command, headers)
         else:
             self.num_late_next += 1
@@ -383,22 +393,37 @@ class WorkerService:
         self._awaiting = None
         self.num_late_held += 1
         self._open_steps.add(nxt.step_id)
+        self._chain = (nxt.step_id, nxt.step_id)
         self._start(nxt, headers, continued=True)
 
     def _take_next(self, command: StepCommand, results: StepResults) -> tuple[StepCommand, dict | None] | None:
         """The held command for the step after ``command``'s, if nothing about the batch changed
-        (``shared.pipelining.held_step``); with none in hand, the step awaits one (``_run_late``)."""
+        (``shared.pipelining.next_step``); with none in hand, the step once more where its command
+        allows (``repeats``), else it awaits one (``_run_late``)."""
         held = self._next.pop(command.step_id, None)
         self._open_steps.discard(command.step_id)  # a conditional command arriving from here on is late
-        if held is None and self.status == WorkerStatus.READY and command.items:
-            self._awaiting = (command, results)
-        if held is None or self.status != WorkerStatus.READY:
+        if self.status != WorkerStatus.READY:
             return None
-        nxt = held_step(command, held[0], results.results, len(results.failures))
+        if held is None and not self._listening():
+            nxt = None  # cut off from the scheduler: no repeats (it would not hear of them in time)
+        else:
+            nxt = next_step(command, held[0] if held is not None else None, results.results, len(results.failures))
         if nxt is None:
+            if held is None and command.items:
+                self._awaiting = (command, results)
             return None
         self._open_steps.add(nxt.step_id)
+        if held is None:  # a repeat: the chain goes on
+            self.num_repeated += 1
+            self._chain = (self._chain[0], nxt.step_id)
+            return nxt, None
+        self._chain = (nxt.step_id, nxt.step_id)
         return nxt, held[1]
+
+    def _listening(self) -> bool:
+        """Subscribed to its commands and connected: only then does a step repeat by itself."""
+        sub = self._subscription
+        return sub is not None and not getattr(sub, "_closed", False) and self.nc.is_connected
 
     def _step_starting(self, command: StepCommand, continued: bool) -> None:
         """Hook: a step is about to run (``continued``: from a held command, in hand when the step before

@@ -48,6 +48,11 @@ class StepCommand(Message, kw_only=True):
     after_step_id: int = 0  # 0: run on arrival; else the step this conditional command follows
     min_masked: int = 0  # the condition above (with after_step_id)
     drop_finished: bool = False  # with after_step_id: requests that finished are left out, the rest go on
+    # repeats, with after_step_id: where no held command is in hand when this step ends, it runs
+    # again (the same requests and thresholds, less those that finished), up to this many more steps,
+    # as step ids step_id + 1, + 2, ... (reserved for it), while the rule holds; a held command sent
+    # for an earlier step of that chain, arriving late, applies to its latest (``shared.pipelining``)
+    repeats: int = 0  # 0: never runs again by itself
     num_queued: int = 0  # requests queued at the scheduler (placed nowhere) when it composed this; for step records
 
 

@@ -72,10 +72,10 @@ class Bench:
         return await self.store.create(record)
 
     async def send(self, step_id: int, items: list[StepItem], after: int = 0, min_masked: int = 0,
-                   drop: tuple[str, ...] = (), num_queued: int = 0) -> None:
+                   drop: tuple[str, ...] = (), num_queued: int = 0, repeats: int = 0) -> None:
         command = StepCommand(instance_id=INSTANCE, step_id=step_id, items=items, issued_at=time.time(),
                               after_step_id=after, min_masked=min_masked, drop_request_ids=list(drop),
-                              num_queued=num_queued)
+                              num_queued=num_queued, repeats=repeats)
         await self.nc.publish(self.subjects.step(INSTANCE), codec.encode(command))
 
     async def wait_results(self, count: int, timeout_s: float = 10.0) -> list[StepResults]:
@@ -244,6 +244,41 @@ def test_a_held_command_drops_the_requests_that_left_the_instance(nats_server, r
             results = await bench.wait_results(3)
             assert results[1].continued_step_id == 42 and results[2].step_id == 42
             assert "gone" not in bench.worker.local and "a" in bench.worker.local
+        finally:
+            await bench.close()
+
+    run(main())
+
+
+def test_with_none_in_hand_a_step_repeats_and_a_late_command_takes_over(nats_server, redis_server, unique_prefix):
+    """A command with repeats runs again under the next ids while no held command has come (the
+    scheduler lags); one sent after an earlier step of that chain, arriving late, runs after its latest."""
+    async def main():
+        bench = Bench(nats_server.url, redis_server.url, unique_prefix)
+        await bench.start()
+        try:
+            a = await bench.request("a")
+            await bench.send(10, [StepItem(request_id="a", threshold=0.9, state_version=a.version)], repeats=2)
+            results = await bench.wait_results(3)
+            assert [(r.step_id, r.continued_step_id) for r in results] == [(10, 11), (11, 12), (12, 0)]
+            assert results[2].awaits_held  # repeats spent: it waits for a command
+            assert [r.results[0].threshold for r in results] == [0.9, 0.9, 0.9]
+            assert (await bench.store.load("a")).version == a.version + 3
+            assert bench.worker.num_repeated == 2
+
+            b = await bench.request("b")
+            await bench.send(20, [StepItem(request_id="b", threshold=0.9, state_version=b.version)], repeats=5)
+            await bench.wait_results(4)  # B's first step is out: 21, its repeat, runs now
+            await bench.send(30, [StepItem(request_id="b", threshold=0.6, state_version=b.version + 1)], after=20)
+            while not any(r.step_id == 30 for r in bench.results):
+                await bench.wait_results(len(bench.results) + 1)
+            results = bench.results
+            chain = [r for r in results[3:] if r.step_id < 30]
+            assert [r.step_id for r in chain] == list(range(20, 20 + len(chain)))  # repeats, in order
+            assert chain[-1].continued_step_id == 30 and not chain[-1].awaits_held
+            after = next(r for r in results if r.step_id == 30)
+            assert after.results[0].threshold == 0.6  # the scheduler's command took over
+            assert after.results[0].state_version == b.version + len(chain) + 1
         finally:
             await bench.close()
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import msgspec
 import pytest
 
 from shared.messages.steps import StepCommand, StepItem
-from shared.pipelining import held_step
+from shared.pipelining import held_step, next_step, repeat_step
 
 STEP = StepCommand(instance_id="i0", step_id=1, issued_at=0.0, items=[
     StepItem(request_id="a", threshold=0.9, state_version=4), StepItem(request_id="b", threshold=0.9, state_version=7)])
@@ -81,3 +82,54 @@ def test_a_request_placed_while_the_step_ran_joins_the_batch_from_the_store():
 ])
 def test_a_newcomer_does_not_hide_a_changed_batch(command):
     assert held_step(STEP, command, outcomes()) is None
+
+
+# --- repeats and chains --------------------------------------------------------------------------
+
+
+def test_with_none_in_hand_a_command_with_repeats_runs_again_under_the_next_reserved_id():
+    step = held(may_start_block=True)
+    step = StepCommand(instance_id="i0", step_id=2, issued_at=0.0, items=step.items, after_step_id=1,
+                       drop_finished=True, repeats=2, drop_request_ids=["gone"])
+    after = [Stepped("a", state_version=6), Stepped("b", state_version=9, finished=True)]
+    again = next_step(step, None, after)
+    assert again is not None and (again.step_id, again.after_step_id, again.repeats) == (3, 2, 1)
+    assert [(it.request_id, it.threshold, it.state_version) for it in again.items] == [("a", 0.8, 6)]
+    assert again.drop_request_ids == []  # dropped once, by the command that carried them
+    last = next_step(again, None, [Stepped("a", state_version=7)])
+    assert last is not None and (last.step_id, last.repeats) == (4, 0)
+    assert next_step(last, None, [Stepped("a", state_version=8)]) is None  # repeats spent: wait
+    assert next_step(STEP, None, outcomes()) is None  # a command without repeats never runs again
+
+
+@pytest.mark.parametrize(("stepped", "num_failed"), [
+    (outcomes(), 1),  # a request failed
+    (outcomes(a={"block_done": True}), 0),  # a block start its command did not allow
+    ([Stepped("a", state_version=5, finished=True), Stepped("b", state_version=8)], 0),  # no drop_finished
+])
+def test_a_repeat_keeps_the_rule(stepped, num_failed):
+    step = StepCommand(instance_id="i0", step_id=1, issued_at=0.0, items=STEP.items, repeats=3)
+    assert repeat_step(step, stepped, num_failed) is None
+
+
+def test_a_joiner_of_the_repeated_step_repeats_from_its_own_copy():
+    step = StepCommand(instance_id="i0", step_id=5, issued_at=0.0, repeats=1, after_step_id=4, items=[
+        StepItem(request_id="c", threshold=0.6, state_version=1, load_state=True)])
+    again = repeat_step(step, [Stepped("c", state_version=2)])
+    assert [(it.load_state, it.state_version) for it in again.items] == [(False, 2)]
+
+
+def test_a_held_command_for_an_earlier_step_of_the_chain_applies_to_its_latest():
+    """Sent after step 1; the worker meanwhile repeated step 2 as step 3 (b finished there): it goes
+    on after step 3 with a only, from the version step 3 wrote, and with the newcomer c."""
+    late = msgspec.structs.replace(joined(), step_id=9)  # after_step_id=1: a, b and the newcomer c
+    chain_step = StepCommand(instance_id="i0", step_id=3, issued_at=0.0, after_step_id=2, drop_finished=True,
+                             items=[StepItem(request_id="a", threshold=0.8, state_version=6)])
+    nxt = next_step(chain_step, late, [Stepped("a", state_version=7)])
+    assert nxt is not None and nxt.step_id == 9
+    assert [(it.request_id, it.state_version, it.load_state) for it in nxt.items] == [("a", 7, False), ("c", 1, True)]
+    # the chain's step has a request the late command does not name: the scheduler decides
+    wider = StepCommand(instance_id="i0", step_id=3, issued_at=0.0, after_step_id=2, items=[
+        StepItem(request_id="a", threshold=0.8, state_version=6), StepItem(request_id="d", threshold=0.8,
+                                                                          state_version=3)])
+    assert next_step(wider, late, [Stepped("a", state_version=7), Stepped("d", state_version=4)]) is None

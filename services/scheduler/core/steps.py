@@ -40,7 +40,7 @@ from services.scheduler.core.loop import Continuation, SchedulingLoop
 from services.scheduler.core.request import CacheMode, Prediction, Request, RequestStatus
 from shared.messages.predictor import PredictionQuery
 from shared.messages.steps import StepCommand, StepItem
-from shared.pipelining import held_step_after
+from shared.pipelining import DEFAULT_HELD_REPEATS, held_step_after
 from shared.profiles import LatencyProfile
 
 _RUNNABLE = (RequestStatus.RUNNING, RequestStatus.MIGRATING)
@@ -49,10 +49,11 @@ _RUNNABLE = (RequestStatus.RUNNING, RequestStatus.MIGRATING)
 @dataclass(frozen=True, slots=True)
 class StepConfig:
     """How steps follow each other (the live defaults: ``DLS_SCHEDULER_OVERLAP_MIN_TOKENS``,
-    ``DLS_SCHEDULER_PIPELINE_STEPS``)."""
+    ``DLS_SCHEDULER_PIPELINE_STEPS``, ``DLS_SCHEDULER_HELD_REPEATS``)."""
 
     overlap_min_tokens: int = 32  # overlap: continue instances whose requests have this many tokens to go; 0: off
     pipelining: bool = True  # send the step after the running one in advance (needs overlap)
+    held_repeats: int = DEFAULT_HELD_REPEATS  # pipelining: steps a command may repeat with none newer in hand
 
     @property
     def overlap(self) -> bool:
@@ -137,6 +138,11 @@ class InstanceSteps:
     # latest one's id (0: none)
     next_sent: dict[int, tuple[list[tuple[str, float, bool]], bool, StepCommand]] = field(default_factory=dict)
     next_step_id: int = 0
+    # repeats: the thresholds of the held command the running step came from, and how many more times
+    # its worker may run it with no newer command in hand; the held commands sent since that command
+    # ran stay in ``next_sent`` while the worker repeats (a late one applies to the chain's latest step)
+    chain_thresholds: dict[str, float] = field(default_factory=dict)
+    repeats_left: int = 0
 
 
 class StepScheduler:
@@ -154,7 +160,7 @@ class StepScheduler:
         self._resend: dict[str, None] = {}  # busy ones among them whose held command may have changed
         self.counters = {"continued_steps": 0, "pipelined_steps": 0, "late_held_steps": 0, "migrations": 0,
                          "failed_steps": 0, "lost_steps": 0, "recovered_steps": 0, "preemptions": 0,
-                         "kv_refused_steps": 0}
+                         "kv_refused_steps": 0, "repeated_steps": 0}
 
     # --- events ----------------------------------------------------------------------------------
 
@@ -338,8 +344,18 @@ class StepScheduler:
         when the worker does not go on."""
         st = self._instances[result.instance_id]
         sent = st.next_sent
-        st.next_sent, st.next_step_id = {}, 0
         continued_id = result.continued_step_id or self._late_held(st, sent, result)
+        finished = {o.request_id for o in result.outcomes if o.finished}  # left out of the step after
+        if continued_id and continued_id not in sent and continued_id == result.step_id + 1 and st.repeats_left > 0:
+            # the worker ran the step again (none in hand): the held commands sent still apply
+            st.repeats_left -= 1
+            pairs = [(rid, st.chain_thresholds[rid]) for rid in st.in_flight_ids if rid not in finished]
+            st.busy_step_id, st.busy_since = continued_id, now
+            st.in_flight_ids = [rid for rid, _ in pairs]
+            self.counters["repeated_steps"] += 1
+            return pairs
+        st.next_sent, st.next_step_id = {}, 0
+        st.chain_thresholds, st.repeats_left = {}, 0
         if not continued_id:
             # freed once its pass is done (finish_results), or now if overlap continues it: a command
             # sent before the pass would carry only the requests placed there earlier, and the rest
@@ -354,8 +370,12 @@ class StepScheduler:
                          "scheduler did not send")
             items = [(rid, float(r.threshold), False) for rid in st.in_flight_ids
                      if (r := self.view.requests.get(rid)) is not None and r.threshold is not None]
-        finished = {o.request_id for o in result.outcomes if o.finished}  # left out of it
-        pairs = [(rid, threshold) for rid, threshold, _ in items if rid not in finished]
+        # a held command sent for an earlier step of the chain drops what finished in it (``rebase``)
+        here = set(st.in_flight_ids) | {it.request_id for it in command.items if it.load_state} if command else None
+        pairs = [(rid, threshold) for rid, threshold, _ in items
+                 if rid not in finished and (here is None or rid in here)]
+        if command is not None and command.repeats > 0:
+            st.chain_thresholds, st.repeats_left = dict(pairs), command.repeats
         st.busy_step_id, st.busy_since = continued_id, now
         st.in_flight_ids = [rid for rid, _ in pairs]
         self.counters["pipelined_steps" if result.continued_step_id else "late_held_steps"] += 1
@@ -368,7 +388,8 @@ class StepScheduler:
             return 0
         num_failed = len(result.failed_ids) + len(result.kv_full_ids)
         for _, _, command in sent.values():
-            if held_step_after(len(st.in_flight_ids), command, result.outcomes, num_failed) is not None:
+            if held_step_after(len(st.in_flight_ids), command, result.outcomes, num_failed,
+                               rebase=command.after_step_id != result.step_id) is not None:
                 return command.step_id
         return 0
 
@@ -434,14 +455,19 @@ class StepScheduler:
 
     def _send(self, now: float, instance_id: str, st: InstanceSteps, items: list[StepItem]) -> list[StepCommand]:
         self._step_seq += 1
-        command = StepCommand(instance_id=instance_id, step_id=self._step_seq, items=items,
+        step_id = self._step_seq
+        repeats = self.config.held_repeats if items and self.config.pipelines else 0
+        self._step_seq += repeats  # the repeats' step ids
+        command = StepCommand(instance_id=instance_id, step_id=step_id, items=items, repeats=repeats,
                               drop_request_ids=st.drop_ids, issued_at=now, num_queued=self.view.num_queued)
         st.drop_ids = []
         if not items:
             return [command]
-        st.busy_step_id, st.busy_since = self._step_seq, now
+        st.busy_step_id, st.busy_since = step_id, now
         st.in_flight_ids = [it.request_id for it in items]
         st.next_step_id, st.next_sent = 0, {}
+        st.chain_thresholds = {it.request_id: it.threshold for it in items}
+        st.repeats_left = repeats
         return [command, *self._send_next(now, instance_id)]
 
     def _send_next(self, now: float, instance_id: str) -> list[StepCommand]:
@@ -454,33 +480,26 @@ class StepScheduler:
         store, as the pass's command would load them, so an arrival costs the instance no round
         trip. Sent only where a pass could not place anything else there: every request on the
         instance is in the step or joins it, and the queue is empty or the instance full. Sent
-        again when its batch or thresholds changed (a later held command replaces the earlier)."""
+        again when its batch or thresholds changed (a later held command replaces the earlier). It may
+        run again ``StepConfig.held_repeats`` times; where none can be sent and the running step may
+        repeat, a held command of no items says to wait for the pass instead."""
         st = self._instances.get(instance_id)
-        inst = self.view.instances.get(instance_id)
-        if (not self.config.pipelines or st is None or st.busy_step_id is None or st.settling or inst is None
-                or not inst.alive or (self.view.num_queued > 0 and inst.batch < inst.max_batch)):
+        if st is None or st.busy_step_id is None or st.settling or not self.config.pipelines:
             return []
-        in_flight = set(st.in_flight_ids)
-        joining = [rid for rid in inst.resident_ids if rid not in in_flight]
-        if len(inst.resident_ids) - len(joining) != len(st.in_flight_ids):
-            return []  # a request of the step left the instance: the pass decides what comes next
-        stays = self.loop.would_stay(instance_id, st.in_flight_ids)
-        pairs = []
-        for rid in st.in_flight_ids:
-            r = self.view.requests.get(rid)
-            if (r is None or r.reloading or r.instance_id != instance_id or r.status != RequestStatus.RUNNING
-                    or r.threshold is None):
-                return []
-            pairs.append((rid, float(r.threshold), rid in stays))
-        for rid in joining:
-            r = self.view.requests[rid]
-            if r.status not in _RUNNABLE or r.reloading or r.holder_id is not None or r.threshold is None:
-                return []
-            pairs.append((rid, float(r.threshold), False))
+        pairs = self._held_pairs(instance_id, st)
+        if pairs is None:
+            latest = st.next_sent[st.next_step_id][2] if st.next_step_id else None
+            if not st.repeats_left or (latest is not None and (latest.after_step_id == st.busy_step_id
+                                                               or not latest.items)):
+                return []  # nothing may go on by itself, or what was sent for this step stands
+            pairs = []  # no repeat, nor a command sent for an earlier step of the chain: wait for the pass
         drop_finished = self.view.num_queued == 0
         if st.next_step_id and st.next_sent[st.next_step_id][:2] == (pairs, drop_finished):
             return []  # the held command is already this one
         self._step_seq += 1
+        step_id = self._step_seq
+        repeats = self.config.held_repeats if pairs else 0
+        self._step_seq += repeats  # the repeats' step ids
         # the step in flight writes one version on top of the one it started from; joiners start
         # from their stored version
         num_stepping = len(st.in_flight_ids)
@@ -490,12 +509,37 @@ class StepScheduler:
                  for i, (rid, threshold, may_start) in enumerate(pairs)]
         # requests that left the instance go with it (kept here until it is known to have run: a held
         # command that does not run leaves them to the next command)
-        command = StepCommand(instance_id=instance_id, step_id=self._step_seq, items=items, issued_at=now,
-                              after_step_id=st.busy_step_id, drop_finished=drop_finished,
-                              drop_request_ids=list(st.drop_ids), num_queued=self.view.num_queued)
-        st.next_step_id = self._step_seq
-        st.next_sent[self._step_seq] = (pairs, drop_finished, command)
+        command = StepCommand(instance_id=instance_id, step_id=step_id, items=items, issued_at=now,
+                              after_step_id=st.busy_step_id, drop_finished=drop_finished, repeats=repeats,
+                              drop_request_ids=list(st.drop_ids) if items else [], num_queued=self.view.num_queued)
+        st.next_step_id = step_id
+        st.next_sent[step_id] = (pairs, drop_finished, command)
         return [command]
+
+    def _held_pairs(self, instance_id: str, st: InstanceSteps) -> list[tuple[str, float, bool]] | None:
+        """The held command's (request id, threshold, may start a block) items for the step after the
+        running one, or None where a pass could place something else there (``_send_next``)."""
+        inst = self.view.instances.get(instance_id)
+        if inst is None or not inst.alive or (self.view.num_queued > 0 and inst.batch < inst.max_batch):
+            return None
+        in_flight = set(st.in_flight_ids)
+        joining = [rid for rid in inst.resident_ids if rid not in in_flight]
+        if len(inst.resident_ids) - len(joining) != len(st.in_flight_ids):
+            return None  # a request of the step left the instance: the pass decides what comes next
+        stays = self.loop.would_stay(instance_id, st.in_flight_ids)
+        pairs = []
+        for rid in st.in_flight_ids:
+            r = self.view.requests.get(rid)
+            if (r is None or r.reloading or r.instance_id != instance_id or r.status != RequestStatus.RUNNING
+                    or r.threshold is None):
+                return None
+            pairs.append((rid, float(r.threshold), rid in stays))
+        for rid in joining:
+            r = self.view.requests[rid]
+            if r.status not in _RUNNABLE or r.reloading or r.holder_id is not None or r.threshold is None:
+                return None
+            pairs.append((rid, float(r.threshold), False))
+        return pairs
 
     def _check_drained(self, now: float, instance_id: str) -> StepDecisions:
         """A draining instance with no request left and no step in flight leaves the view."""

@@ -3,6 +3,8 @@ without NATS or Redis (the scheduler service and the simulator drive exactly the
 
 from __future__ import annotations
 
+import dataclasses
+
 from services.scheduler.core import (
     BatchOutcome,
     RequestStatus,
@@ -178,7 +180,7 @@ def test_pipelining_holds_the_step_after_the_running_one_where_no_pass_could_cha
     core = make_core(PIPELINED)
     out = arrive(core, "r0", "r1")
     [command], [nxt] = plain(out), held(out)
-    assert nxt.after_step_id == command.step_id and nxt.step_id == command.step_id + 1
+    assert nxt.after_step_id == command.step_id and nxt.step_id == command.step_id + 1 + command.repeats
     assert [(it.request_id, it.threshold, it.state_version) for it in nxt.items] == [
         (it.request_id, it.threshold, it.state_version + 1) for it in command.items]  # the version the step writes
     assert nxt.drop_finished  # nobody queues for a finished request's slot
@@ -365,3 +367,75 @@ def test_the_service_holds_wiring_only():
                        "RequestStatus.READY", "requeue_request", "apply_step_result", "policy.schedule"):
         assert step_logic not in service, step_logic
     assert "StepScheduler(" in service
+
+
+# --- repeats: a worker that steps faster than the scheduler answers ------------------------------
+
+
+def _repeat(command, results):
+    """The step a worker runs when ``command`` ends with no held command in hand."""
+    from shared.pipelining import repeat_step
+    return repeat_step(command, results.outcomes)
+
+
+def test_a_repeated_step_is_mirrored_and_the_command_sent_for_an_earlier_step_of_the_chain_runs_after_it():
+    core = make_core(PIPELINED)
+    out = arrive(core, "r0", "r1", "r2")
+    [step_a], [step_b] = plain(out), held(out)
+    assert step_a.repeats == step_b.repeats == PIPELINED.held_repeats > 0
+    first = core.on_results(0.1, [report(step_a, continued=step_b.step_id)])
+    [step_c] = held(first.decisions)  # sent after B; the worker will not have it in hand in time
+    core.finish_results(0.1, first.pending)
+    # B ends with nothing in hand: the worker runs B again (r1 finished in B), as the reserved next id
+    results_b = report(step_b, finished=("r1",))
+    again = _repeat(step_b, results_b)
+    assert again.step_id == step_b.step_id + 1 and [it.request_id for it in again.items] == ["r0", "r2"]
+    second = core.on_results(0.2, [dataclasses.replace(results_b, continued_step_id=again.step_id)])
+    st = core._instances["i0"]
+    assert st.busy_step_id == again.step_id and st.in_flight_ids == ["r0", "r2"]
+    assert core.counters["repeated_steps"] == 1 and st.repeats_left == step_b.repeats - 1
+    assert {core.view.requests[r].threshold for r in ("r0", "r2")} == {step_b.items[0].threshold}
+    assert step_c.step_id in st.next_sent  # it still applies: to the chain's latest step
+    core.finish_results(0.2, second.pending)
+    # C came while the repeat ran: the worker goes on to it (less r1), and a new chain starts there
+    third = core.on_results(0.3, [report(again, continued=step_c.step_id)])
+    assert st.busy_step_id == step_c.step_id and st.in_flight_ids == ["r0", "r2"]
+    assert st.repeats_left == step_c.repeats and core.counters["pipelined_steps"] == 2
+    assert not third.ignored
+
+
+def test_a_late_command_for_an_earlier_step_of_the_chain_is_judged_rebased_onto_its_latest():
+    core = make_core(PIPELINED)
+    out = arrive(core, "r0", "r1")
+    [step_a], [step_b] = plain(out), held(out)
+    first = core.on_results(0.1, [report(step_a, continued=step_b.step_id)])
+    [step_c] = held(first.decisions)
+    core.finish_results(0.1, first.pending)
+    results_b = report(step_b)
+    again = _repeat(step_b, results_b)
+    second = core.on_results(0.2, [dataclasses.replace(results_b, continued_step_id=again.step_id)])
+    core.finish_results(0.2, second.pending)
+    # the repeat ends with nothing in hand (awaits_held): C, sent after B, runs when it comes
+    core.on_results(0.3, [report(again, awaits_held=True)])
+    st = core._instances["i0"]
+    assert st.busy_step_id == step_c.step_id and core.counters["late_held_steps"] == 1
+
+
+def test_where_no_held_command_may_go_out_a_step_that_could_repeat_is_told_to_wait():
+    """An instance drained while its worker repeats: no held command passes the checks, so a held
+    command of no items goes out in its place; the worker waits for the pass instead of repeating."""
+    core = make_core(PIPELINED, num_instances=2)
+    out = arrive(core, "r0", "r1")
+    [step_a] = [c for c in plain(out) if len(c.items) == 2] or plain(out)[:1]
+    [step_b] = [c for c in held(out) if c.instance_id == step_a.instance_id]
+    first = core.on_results(0.1, [report(step_a, continued=step_b.step_id)])
+    core.finish_results(0.1, first.pending)
+    core.drain_instance(0.15, step_a.instance_id)
+    results_b = report(step_b)
+    again = _repeat(step_b, results_b)
+    second = core.on_results(0.2, [dataclasses.replace(results_b, continued_step_id=again.step_id)])
+    stops = [c for c in held(second.decisions) if c.instance_id == step_a.instance_id]
+    assert [(c.after_step_id, c.items, c.repeats) for c in stops] == [(again.step_id, [], 0)]
+    assert _repeat(again, report(again)) is not None  # the worker would repeat again, but holds the stop:
+    from shared.pipelining import next_step
+    assert next_step(again, stops[0], report(again).outcomes) is None

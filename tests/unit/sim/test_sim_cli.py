@@ -110,6 +110,7 @@ def test_compare_models_pipelining_and_overlap_as_live_with_switches(tmp_path, m
     # 16-token answers: overlap's 32-token minimum never continues a step, pipelining (no minimum) does
     assert (sum(p["pipelined_steps"] for p in points) > 0) == pipelining
     assert all(p["continued_steps"] == p["pipelined_steps"] for p in points)
+    assert all(p["repeated_steps"] == 0 for p in points)  # its held commands are never late: no repeat
 
 
 def test_overlap_continues_steps_before_the_pass_in_the_simulator(tmp_path, monkeypatch):

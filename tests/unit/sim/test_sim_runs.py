@@ -105,7 +105,7 @@ def test_sim_has_no_copy_of_policy_logic():
     assert "SchedulingLoop(make_policy(" in joined
     assert "Reconfigurator(" in joined
     # every step decision is the scheduling core's: the simulator carries out its commands
-    assert "StepScheduler(" in joined and "held_step(" in joined
+    assert "StepScheduler(" in joined and "next_step(" in joined
     for step_logic in ("resident_ids", "continue_steps", "replan(", "would_stay", "RequestStatus.RUNNING"):
         assert step_logic not in joined, step_logic
 
