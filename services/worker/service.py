@@ -153,6 +153,7 @@ class WorkerService:
         # the chain: the step ids from the last command the scheduler sent that ran, through the
         # repeats run after it, to the latest (a late held command for one of them applies to the latest)
         self._chain = (0, 0)
+        self._commanded: set[int] = set()  # plain commands received, not started yet
         # the last step, if it ended with no conditional command in hand (its results say awaits_held):
         # (its command, its results); the first one for it that comes and passes the rule runs then
         self._awaiting: tuple[StepCommand, StepResults] | None = None
@@ -309,6 +310,7 @@ class WorkerService:
             self._awaiting = None  # the scheduler decided the next step itself
             self._open_steps.add(command.step_id)
             self._chain = (command.step_id, command.step_id)
+            self._commanded.add(command.step_id)  # until it runs, the running step does not repeat
         self._start(command, msg.headers)
 
     def _start(self, command: StepCommand, headers: dict | None, continued: bool = False) -> None:
@@ -329,6 +331,7 @@ class WorkerService:
 
     async def _execute_steps(self, command: StepCommand, headers: dict | None, continued: bool = False) -> None:
         async with self._lock:
+            self._commanded.discard(command.step_id)
             for rid in command.drop_request_ids:
                 self._forget(rid)
             step: tuple[StepCommand, dict | None] | None = (command, headers)
@@ -404,8 +407,8 @@ class WorkerService:
         self._open_steps.discard(command.step_id)  # a conditional command arriving from here on is late
         if self.status != WorkerStatus.READY:
             return None
-        if held is None and not self._listening():
-            nxt = None  # cut off from the scheduler: no repeats (it would not hear of them in time)
+        if held is None and (self._commanded or not self._listening()):
+            nxt = None  # the scheduler sent the next step itself, or cannot be heard: no repeat
         else:
             nxt = next_step(command, held[0] if held is not None else None, results.results, len(results.failures))
         if nxt is None:
@@ -421,7 +424,8 @@ class WorkerService:
         return nxt, held[1]
 
     def _listening(self) -> bool:
-        """Subscribed to its commands and connected: only then does a step repeat by itself."""
+        """Subscribed to its commands and connected: only then does a step repeat by itself (with no
+        plain command waiting to run: ``_commanded``)."""
         sub = self._subscription
         return sub is not None and not getattr(sub, "_closed", False) and self.nc.is_connected
 
