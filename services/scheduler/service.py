@@ -277,6 +277,7 @@ class SchedulerService:
             await self._intake.close()
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
+        logger.info("scheduler stopped; step counters: %s", self.counters)
 
     # --- intake ----------------------------------------------------------------------------------
 
