@@ -639,6 +639,20 @@ class DLMEngine:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids) if self.tokenizer is not None else " ".join(map(str, ids))
 
+    def warm_up(self) -> None:
+        """Run one short request through a full step and a cache step and forget it, so that the first
+        request served does not pay for lazy initialisation (kernels chosen, tables built, memory
+        allocated). Workers call it before they announce themselves ready."""
+        prompt = [self.eos_id if self.eos_id != self.mask_id else 0] * 4
+        block = min(self.default_block_length, 4)
+        state = self.new_request("warm-up", prompt, block, block, CacheMode.DUAL, ignore_eos=True)
+        try:
+            for _ in range(2):
+                if not state.finished:
+                    self.step([(state, 1.0)])
+        finally:
+            self.drop(state.request_id)
+
     def run_to_completion(self, batch: list[tuple[RequestState, float]]) -> dict[str, list[StepKind]]:
         """Step a batch until every request finishes (continuous batching: finished ones leave)."""
         kinds: dict[str, list[StepKind]] = {s.request_id: [] for s, _ in batch}  # request id -> kinds

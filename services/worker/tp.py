@@ -461,6 +461,7 @@ class TensorParallelEngine:
 
     # These only call step/new_request/encode/decode, so DLMEngine's own versions run on all ranks here.
     run_to_completion = DLMEngine.run_to_completion
+    warm_up = DLMEngine.warm_up
     generate = DLMEngine.generate
     stops_at_eos = DLMEngine.stops_at_eos
     answer = DLMEngine.answer
