@@ -6,17 +6,24 @@ The chat template renders a conversation in the model's own few-shot format, so 
 what a completion prompt asks: a single user message holding ``347+589=`` becomes the prompt
 ``347+589=``, and earlier turns become worked examples (``3+4=`` answered ``7`` -> ``3+4=7\n``).
 It is Jinja, as Hugging Face chat templates are, stored in ``tokenizer.json`` (``chat_template``).
+
+For every model (the bundled one and Hugging Face checkpoints): ``answer_text``, the one function that
+turns answer tokens into the API's text (special tokens dropped), and ``load_hf_tokenizer``, how the
+gateway and every worker load a checkpoint's tokenizer (code a checkpoint ships runs only with
+``DLS_TRUST_REMOTE_CODE``; without it, its ``tokenizer.json`` where it has one).
 """
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 PAD, MASK, EOS = "<pad>", "<mask>", "<eos>"
 _SPECIALS = (PAD, MASK, EOS)
 _CHARS = "0123456789abcdefghijklmnopqrstuvwxyz+-*=@:;,.? \n"
-TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_FILE = "tokenizer.json"  # the bundled format's, and a Hugging Face fast tokenizer's
 
 # A user turn is followed directly by its answer (as a query by its answer in a few-shot prompt); an
 # answer, a system text or a user turn that no answer follows ends its line.
@@ -105,3 +112,70 @@ def render_chat_template(template: str, messages: list[dict[str, str]], **variab
         return environment.from_string(template).render(messages=messages, add_generation_prompt=True, **variables)
     except TemplateError as exc:
         raise TokenizerError(f"the chat template does not render: {exc}") from None
+
+
+# --- every model's tokenizer: the answer's text, and how a checkpoint's tokenizer is loaded -------
+
+TRUST_REMOTE_CODE_SETTING = "DLS_TRUST_REMOTE_CODE"  # shared.settings.ServiceSettings.trust_remote_code
+
+
+def answer_text(tokenizer, token_ids: Sequence[int], mask_token_id: int | None = None) -> str:
+    """The text of answer tokens, as the API returns it everywhere (completions, chat, stream deltas,
+    ``stop`` matching, each ``logprobs`` token): special tokens (EOS, pads, the mask, a chat model's
+    end-of-turn, ...) render as nothing, and it never stops early (the answer's tokens are already cut
+    where the answer ends). The one decoding function of every model: the worker's engine and the
+    gateway both call it."""
+    ids = [int(i) for i in token_ids if i != mask_token_id]
+    if isinstance(tokenizer, CharTokenizer):
+        return tokenizer.decode([i for i in ids if i != tokenizer.mask_token_id], stop_at_eos=False)
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def remote_tokenizer_code(directory: str | Path) -> str | None:
+    """The tokenizer class a checkpoint maps ``AutoTokenizer`` to in code it ships (``auto_map`` of its
+    ``tokenizer_config.json`` or ``config.json``, e.g. Dream's ``tokenization_dream.DreamTokenizer``);
+    None when it ships none."""
+    for name in ("tokenizer_config.json", "config.json"):
+        try:
+            data = json.loads(Path(directory, name).read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        entry = data.get("auto_map", {}).get("AutoTokenizer") if isinstance(data, dict) else None
+        if isinstance(entry, str):
+            return entry
+        if isinstance(entry, list | tuple) and any(entry):
+            return next(e for e in entry if e)
+    return None
+
+
+def load_hf_tokenizer(directory: str | Path, trust_remote_code: bool = False):
+    """A checkpoint's Hugging Face tokenizer, loaded the same way by the gateway and every worker.
+
+    * It ships no tokenizer code: ``AutoTokenizer``.
+    * It ships code (``remote_tokenizer_code``) and ``trust_remote_code`` (``DLS_TRUST_REMOTE_CODE``):
+      ``AutoTokenizer`` runs that code, as the checkpoint's authors meant.
+    * It ships code, the setting is off, and it has a ``tokenizer.json``: the fast tokenizer built from
+      that file (with ``tokenizer_config.json``'s special tokens and chat template); no code runs.
+    * Otherwise: ``TokenizerError`` naming the setting that allows the code.
+    """
+    directory = Path(directory)
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast  # heavy: only for foreign checkpoints
+
+    code = remote_tokenizer_code(directory)
+    if code and not trust_remote_code:
+        if not (directory / TOKENIZER_FILE).exists():
+            raise TokenizerError(
+                f"{directory}: the tokenizer is code shipped with the checkpoint ({code}) and there is no "
+                f"{TOKENIZER_FILE} to load instead; set {TRUST_REMOTE_CODE_SETTING}=true (gateway and "
+                "workers) to let transformers run that code")
+        loader = PreTrainedTokenizerFast.from_pretrained
+    else:
+        loader = functools.partial(AutoTokenizer.from_pretrained, trust_remote_code=trust_remote_code)
+    try:
+        return loader(str(directory))
+    except Exception as exc:  # noqa: BLE001 - transformers raises many kinds here
+        if "trust_remote_code" in str(exc):
+            raise TokenizerError(f"{directory}: the tokenizer needs code shipped with the checkpoint; set "
+                                 f"{TRUST_REMOTE_CODE_SETTING}=true (gateway and workers) to let transformers "
+                                 "run it") from None
+        raise TokenizerError(f"{directory}: no usable tokenizer ({type(exc).__name__}: {exc})") from None

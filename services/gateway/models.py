@@ -4,8 +4,13 @@ The gateway tokenizes, so it loads the served model's tokenizer, never its weigh
 
 * the bundled format (``tokenizer.json`` of ``shared.tokenizer.CharTokenizer``): one token per
   character, with a chat template that renders a conversation as the model's few-shot prompt;
-* any other directory: ``transformers.AutoTokenizer`` (LLaDA, Dream; ``trust_remote_code`` when the
-  settings allow it), with its chat template.
+* any other directory: its Hugging Face tokenizer as every worker loads it
+  (``shared.tokenizer.load_hf_tokenizer``: code a checkpoint ships runs only with
+  ``DLS_TRUST_REMOTE_CODE``; without it, its ``tokenizer.json`` where it has one), with its chat template.
+
+Answer text (and each ``logprobs`` token) comes from ``shared.tokenizer.answer_text``, the function the
+workers' engines decode with: special tokens render as nothing, so an answer's text is the same
+whichever of them made it.
 
 ``DLS_GATEWAY_CHAT_TEMPLATE`` replaces the model's template; a model with neither answers chat with a
 400 that says so (joining messages some other way would ask the model something it was not trained
@@ -24,7 +29,14 @@ from pathlib import Path
 from typing import Protocol
 
 from shared.generation import GenerationLimits, read_generation_limits
-from shared.tokenizer import TOKENIZER_FILE, CharTokenizer, TokenizerError, render_chat_template
+from shared.tokenizer import (
+    TOKENIZER_FILE,
+    CharTokenizer,
+    TokenizerError,
+    answer_text,
+    load_hf_tokenizer,
+    render_chat_template,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +74,7 @@ class TextCodec(Protocol):
         ...
 
     def decode(self, token_ids: Sequence[int]) -> str:
-        """Generated text: stops at EOS, drops special tokens."""
+        """Generated text: special tokens (EOS, end-of-turn, ...) dropped (``shared.tokenizer.answer_text``)."""
         ...
 
     def render_canvas(self, token_ids: Sequence[int]) -> str:
@@ -88,7 +100,7 @@ class CharCodec:
         return self.tokenizer.encode(text)
 
     def decode(self, token_ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(token_ids), stop_at_eos=True)
+        return answer_text(self.tokenizer, token_ids, self.mask_token_id)
 
     def render_canvas(self, token_ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(token_ids), stop_at_eos=False)  # the mask decodes as "_"
@@ -114,11 +126,7 @@ class HfCodec:
             raise TokenizerError(f"the tokenizer cannot encode the text ({type(exc).__name__}: {exc})") from None
 
     def decode(self, token_ids: Sequence[int]) -> str:
-        eos = self.tokenizer.eos_token_id
-        ids = list(token_ids)
-        if eos is not None and eos in ids:
-            ids = ids[: ids.index(eos)]
-        return self.tokenizer.decode([i for i in ids if i != self.mask_token_id], skip_special_tokens=True)
+        return answer_text(self.tokenizer, token_ids, self.mask_token_id)
 
     def render_canvas(self, token_ids: Sequence[int]) -> str:
         parts: list[str] = []
@@ -253,11 +261,9 @@ def _load_codec(directory: Path, config: dict, chat_template: str | None, trust_
         except TokenizerError as exc:
             raise ModelLoadError(str(exc)) from None
     try:
-        from transformers import AutoTokenizer  # only for foreign checkpoints: it is a heavy import
-
-        tokenizer = AutoTokenizer.from_pretrained(str(directory), trust_remote_code=trust_remote_code)
-    except Exception as exc:  # noqa: BLE001 - transformers raises many kinds here
-        raise ModelLoadError(f"{directory}: no usable tokenizer ({type(exc).__name__}: {exc})") from None
+        tokenizer = load_hf_tokenizer(directory, trust_remote_code)
+    except TokenizerError as exc:
+        raise ModelLoadError(str(exc)) from None
     mask_id = config.get("mask_token_id",
                          _MASK_IDS_BY_MODEL_TYPE.get(str(config.get("model_type", "")).lower(),
                                                      getattr(tokenizer, "mask_token_id", None)))

@@ -81,6 +81,7 @@ from services.worker.model import DLMForMaskedDiffusion
 from services.worker.sampling import MAX_TOP_LOGPROBS, SamplingParams, noise_seed, sample, top_candidates
 from shared.generation import Answer, answer_of, canvas_length, stop_length
 from shared.messages.base import CacheMode, StepKind
+from shared.tokenizer import answer_text
 
 
 class EngineError(ValueError):
@@ -637,7 +638,8 @@ class DLMEngine:
             raise EngineError(str(exc)) from None
 
     def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids) if self.tokenizer is not None else " ".join(map(str, ids))
+        """Answer text (``shared.tokenizer.answer_text``, as the gateway decodes: special tokens dropped)."""
+        return answer_text(self.tokenizer, ids, self.mask_id) if self.tokenizer is not None else " ".join(map(str, ids))
 
     def warm_up(self) -> None:
         """Run one short request through a full step and a cache step and forget it, so that the first

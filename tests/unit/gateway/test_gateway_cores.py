@@ -206,7 +206,8 @@ def test_bundled_model_loads_with_its_limits_and_defaults():
     limits = read_generation_limits(MODEL_DIR)  # the model's training_info.json
     assert (model.default_gen_length, model.default_block_length) == (limits.gen_length, limits.block_length)
     assert model.limits.max_gen_length == limits.max_gen_length >= limits.gen_length
-    assert model.codec.encode("1+1=") and model.codec.decode(model.codec.encode("12") + [2, 5]) == "12"
+    codec = model.codec
+    assert codec.encode("1+1=") and codec.decode(codec.encode("12") + [2] + codec.encode("3")) == "123"  # EOS: ""
     assert model.codec.render_canvas(model.codec.encode("1") + [model.codec.mask_token_id] * 2) == "1__"
     assert load_served_model(MODEL_DIR, default_gen_length=32).default_gen_length == 32
 

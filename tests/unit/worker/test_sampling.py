@@ -17,9 +17,10 @@ PROMPT = [5, 9, 4, 11, 7, 3, 8]
 
 
 class Letters:
-    """A tokenizer for the tiny test models: id i is one letter, 0-2 are specials (nothing)."""
+    """A tokenizer for the tiny test models: id i is one letter, 0-2 are specials (nothing), decoded
+    through Hugging Face's signature (``shared.tokenizer.answer_text`` skips special tokens)."""
 
-    def decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return "".join("" if i < 3 else chr(ord("a") + i - 3) for i in ids)
 
 
