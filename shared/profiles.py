@@ -17,6 +17,20 @@ optional ``full_ms`` is a full step with no cache at all (it writes no KV); wher
 ``recompute_ms`` stands in (``full``).
 Batch sizes between measured ones are interpolated linearly; beyond the largest, extrapolated from
 the last two points (never below the last measured value).
+
+Every curve must be monotone (a larger batch never faster). A file whose curves are not is refused
+(``ProfileError`` naming the degree, kind and batches) unless it names the rule that smooths them:
+``"batch_monotone": "min-over-larger"`` times each batch as the fastest batch at least as large (a
+step of b requests can always run in the place of a larger batch's, so that time bounds it); the
+points it changed are listed in ``smoothed`` and in ``notes``.
+
+A profile measured at some TP degrees only (one GPU measures TP 1) gets the others from a modelled
+profile's tensor-parallel scaling when it says so: ``"tp_scaling": {"from_tp": 1, "like":
+"llada-8b-h100.json"}`` (a path relative to the profile's file) gives TP-d, for every degree ``like``
+has and the file does not, as ``t_from(b) * like_d(b) / like_from(b)`` at each measured batch and
+step kind (``full_ms`` follows ``like``'s full steps, its recompute steps where it has none): the
+modelled profile's efficiency, all-reduces and per-step overhead, applied to the measured times.
+``derived_tp`` names those degrees and ``notes`` says how they were made.
 """
 
 from __future__ import annotations
@@ -30,6 +44,7 @@ from pathlib import Path
 
 STEP_KINDS = ("recompute_ms", "cache_ms")
 OPTIONAL_STEP_KINDS = ("full_ms",)
+MONOTONE_RULES = ("min-over-larger",)  # the rules ``batch_monotone`` may name (module docstring)
 
 
 class ProfileError(ValueError):
@@ -68,6 +83,8 @@ class LatencyProfile:
     curves: dict[int, dict[str, _Curve]] = field(repr=False)
     notes: str = ""
     kv_bytes_per_token: int = 0  # KV cache of one context token, every layer and head (0: not known)
+    derived_tp: tuple[int, ...] = ()  # degrees made from another's curves by ``tp_scaling``, not measured
+    smoothed: tuple[str, ...] = ()  # "TP-1 cache_ms b2 48.7 -> 29.1 ms": points ``batch_monotone`` changed
 
     @property
     def tp_degrees(self) -> tuple[int, ...]:
@@ -148,24 +165,22 @@ class LatencyProfile:
             raise ProfileError(f"profile {self.model}/{self.device} has no {kind} for TP {tp}") from None
 
     @classmethod
-    def from_dict(cls, data: dict, source: str = "<dict>") -> LatencyProfile:
+    def from_dict(cls, data: dict, source: str = "<dict>", base_dir: Path | None = None) -> LatencyProfile:
+        """``base_dir``: where a ``tp_scaling.like`` path is found (``load`` passes the file's folder)."""
         for key in ("model", "device", "tp"):
             if key not in data:
                 raise ProfileError(f"{source}: missing field '{key}'")
-        curves: dict[int, dict[str, _Curve]] = {}
-        for tp_key, kinds in data["tp"].items():
-            try:
-                tp = int(tp_key)
-            except ValueError:
-                raise ProfileError(f"{source}: tp key '{tp_key}' is not an integer") from None
-            if tp < 1:
-                raise ProfileError(f"{source}: tp degree {tp} must be >= 1")
-            curves[tp] = {kind: _parse_curve(kinds, kind, f"{source}: tp.{tp_key}") for kind in STEP_KINDS}
-            for kind in OPTIONAL_STEP_KINDS:
-                if kind in kinds:
-                    curves[tp][kind] = _parse_curve(kinds, kind, f"{source}: tp.{tp_key}")
-        if not curves:
-            raise ProfileError(f"{source}: field 'tp' is empty")
+        curves = _parse_curves(data["tp"], source)
+        rule = _monotone_rule(data, source)
+        smoothed = _make_monotone(curves, rule, source, set(curves))
+        notes = str(data.get("notes", ""))
+        derived: tuple[int, ...] = ()
+        if "tp_scaling" in data:
+            derived, how = _derive_tp(curves, data["tp_scaling"], source, base_dir)
+            smoothed += _make_monotone(curves, rule, source, set(derived))
+            notes = _add_note(notes, how)
+        if smoothed:
+            notes = _add_note(notes, f"smoothed ({rule}): {', '.join(smoothed)}")
         return cls(
             model=str(data["model"]),
             device=str(data["device"]),
@@ -173,8 +188,10 @@ class LatencyProfile:
             context_tokens=int(data.get("context_tokens", 0)),
             block_length=int(data.get("block_length", 0)),
             curves=curves,
-            notes=str(data.get("notes", "")),
+            notes=notes,
             kv_bytes_per_token=int(data.get("kv_bytes_per_token", 0)),
+            derived_tp=derived,
+            smoothed=smoothed,
         )
 
     @classmethod
@@ -186,7 +203,91 @@ class LatencyProfile:
             raise ProfileError(f"profile file not found: {path}") from None
         except json.JSONDecodeError as exc:
             raise ProfileError(f"{path}: not valid JSON ({exc})") from None
-        return cls.from_dict(data, source=str(path))
+        return cls.from_dict(data, source=str(path), base_dir=path.parent)
+
+
+def _add_note(notes: str, note: str) -> str:
+    return f"{notes.rstrip('. ')}; {note}" if notes and note else notes or note
+
+
+def _parse_curves(tp_section: dict, source: str) -> dict[int, dict[str, _Curve]]:
+    curves: dict[int, dict[str, _Curve]] = {}  # tp degree -> step kind -> curve
+    for tp_key, kinds in tp_section.items():
+        try:
+            tp = int(tp_key)
+        except ValueError:
+            raise ProfileError(f"{source}: tp key '{tp_key}' is not an integer") from None
+        if tp < 1:
+            raise ProfileError(f"{source}: tp degree {tp} must be >= 1")
+        curves[tp] = {kind: _parse_curve(kinds, kind, f"{source}: tp.{tp_key}") for kind in STEP_KINDS}
+        for kind in OPTIONAL_STEP_KINDS:
+            if kind in kinds:
+                curves[tp][kind] = _parse_curve(kinds, kind, f"{source}: tp.{tp_key}")
+    if not curves:
+        raise ProfileError(f"{source}: field 'tp' is empty")
+    return curves
+
+
+def _monotone_rule(data: dict, source: str) -> str | None:
+    rule = data.get("batch_monotone")
+    if rule is not None and rule not in MONOTONE_RULES:
+        raise ProfileError(f"{source}: batch_monotone '{rule}' is not a known rule (one of {', '.join(MONOTONE_RULES)})")
+    return rule
+
+
+def _make_monotone(curves: dict[int, dict[str, _Curve]], rule: str | None, source: str,
+                   degrees: set[int]) -> tuple[str, ...]:
+    """Check (and, with ``rule``, smooth in place) the curves of ``degrees``: what was changed."""
+    changes: list[str] = []
+    for tp in sorted(degrees):
+        for kind, curve in curves[tp].items():
+            xs, ys = curve.batch_sizes, curve.latencies_ms
+            bad = next(((xs[i], ys[i], xs[i + 1], ys[i + 1]) for i in range(len(xs) - 1) if ys[i + 1] < ys[i]), None)
+            if bad is None:
+                continue
+            if rule is None:
+                raise ProfileError(
+                    f"{source}: tp.{tp}.{kind} is not monotone in batch size (batch {bad[0]}: {bad[1]:g} ms, batch "
+                    f"{bad[2]}: {bad[3]:g} ms); fix the measurement, or set \"batch_monotone\": \"min-over-larger\" "
+                    "to time each batch as the fastest batch at least as large")
+            smooth = tuple(min(ys[i:]) for i in range(len(ys)))
+            changes += [f"TP-{tp} {kind} b{b} {old:g} -> {new:g} ms"
+                        for b, old, new in zip(xs, ys, smooth, strict=True) if new != old]
+            curves[tp][kind] = _Curve(xs, smooth)
+    return tuple(changes)
+
+
+def _derive_tp(curves: dict[int, dict[str, _Curve]], scaling: dict, source: str,
+               base_dir: Path | None) -> tuple[tuple[int, ...], str]:
+    """Add the degrees ``scaling["like"]`` has and ``curves`` lacks (module docstring): (them, a note)."""
+    if not isinstance(scaling, dict) or "from_tp" not in scaling or "like" not in scaling:
+        raise ProfileError(f"{source}: tp_scaling needs 'from_tp' and 'like' (a modelled profile's file)")
+    from_tp = int(scaling["from_tp"])
+    if from_tp not in curves:
+        raise ProfileError(f"{source}: tp_scaling.from_tp {from_tp} is not a measured degree ({sorted(curves)})")
+    like_path = Path(scaling["like"])
+    if not like_path.is_absolute():
+        like_path = (base_dir or Path(".")) / like_path
+    like = LatencyProfile.load(like_path)
+    if from_tp not in like.curves:
+        raise ProfileError(f"{source}: tp_scaling.like {like_path} has no TP-{from_tp} to scale from")
+    derived = tuple(tp for tp in like.tp_degrees if tp not in curves)
+    for tp in derived:
+        curves[tp] = {kind: _scaled_curve(curve, like, kind, from_tp, tp) for kind, curve in curves[from_tp].items()}
+    how = (f"TP-{', TP-'.join(map(str, derived))} derived from TP-{from_tp} times {like_path.name}'s TP-d / "
+           f"TP-{from_tp} latency at each batch and step kind (its tensor-parallel model)") if derived else ""
+    return derived, how
+
+
+def _scaled_curve(curve: _Curve, like: LatencyProfile, kind: str, from_tp: int, tp: int) -> _Curve:
+    def like_s(degree: int, batch: int) -> float:
+        if kind == "full_ms":
+            return like.full(degree, batch)
+        return like.alpha(degree, batch) if kind == "recompute_ms" else like.beta(degree, batch)
+
+    latencies = tuple(round(ms * like_s(tp, b) / like_s(from_tp, b), 3)
+                      for b, ms in zip(curve.batch_sizes, curve.latencies_ms, strict=True))
+    return _Curve(curve.batch_sizes, latencies)
 
 
 def _parse_curve(kinds: dict, kind: str, where: str) -> _Curve:

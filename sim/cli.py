@@ -256,6 +256,12 @@ def print_table(result: dict) -> None:
     trace = setup.get("trace")
     print(f"preset {result['preset']}: SLO {setup['slo_s']:.3f}s, nominal capacity {setup['nominal_capacity_rps']:.1f} "
           f"req/s, overlap {'on' if setup['overlap'] else 'off'}, pipelining {'on' if setup['pipelining'] else 'off'}")
+    profile = setup.get("profile")
+    if profile:
+        derived = f"; TP-{', TP-'.join(map(str, profile['derived_tp']))} derived" if profile["derived_tp"] else ""
+        smoothed = f"; {len(profile['smoothed'])} points smoothed" if profile["smoothed"] else ""
+        print(f"profile {profile['path']}: {profile['model']} on {profile['device']}, "
+              f"{'measured' if profile['measured'] else 'modelled'}{derived}{smoothed}")
     if trace:
         print(f"trace {trace['path']} ({trace['layout']}, {trace['num_requests']} requests): rps = the replayed "
               f"mean rate = native x scale")

@@ -66,6 +66,7 @@ class Setup:
     model_dir: str
     prediction: str = "auto"
     steps: StepConfig = StepConfig()  # overlap and pipelining, as the live scheduler runs them by default
+    profile_path: str = DEFAULT_PROFILE  # the latency profile's file
 
     def predictor(self):
         thresholds = make_config("dilaserve").thresholds
@@ -143,7 +144,15 @@ class Setup:
             "prediction_source_used": type(self.predictor()).__name__,
             "trace": self.trace_description(),
             "kv_budget": self.kv_description(),
+            "profile": self.profile_description(),
         }
+
+    def profile_description(self) -> dict:
+        """Which latency profile timed the run, and what of it was measured."""
+        profile = self.profile
+        return {"path": self.profile_path, "model": profile.model, "device": profile.device,
+                "measured": profile.measured, "derived_tp": list(profile.derived_tp),
+                "smoothed": list(profile.smoothed)}
 
     def kv_description(self) -> dict | None:
         """The KV memory budget per GPU and what each TP degree holds under it (None: no budget)."""
@@ -193,7 +202,7 @@ def setup(
     slo = preset.workload.slo_classes[0].slo_factor * base
     capacity = nominal_capacity(preset, timer, rec, cache, slo)
     return Setup(preset, trace, profile, scale, timer, base, slo, capacity, model_dir, prediction,
-                 steps or StepConfig())
+                 steps or StepConfig(), profile_path)
 
 
 def _mean_context(model_dir: str, num_shots: int, gen_len: int) -> float:

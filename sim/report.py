@@ -19,9 +19,13 @@ def table(result: dict) -> str:
     trace = setup.get("trace")
     source = (f", trace `{trace['path']}` ({trace['layout']}, {trace['num_requests']} requests; req/s = the replayed "
               "mean rate = trace native req/s x scale)" if trace else "")
+    profile = setup.get("profile")
+    timed = (f", profile `{profile['path']}` ({'measured' if profile['measured'] else 'modelled'}"
+             + (f"; TP-{', TP-'.join(map(str, profile['derived_tp']))} derived" if profile["derived_tp"] else "")
+             + ")" if profile else "")
     lines = [
         f"**{result['preset']}** (SLO {setup['slo_s']:.2f} s, nominal capacity {setup['nominal_capacity_rps']:.2f} req/s, "
-        f"cache {setup.get('cache_mode', '?')}, predictions: {setup.get('prediction_source_used', '?')}{source})",
+        f"cache {setup.get('cache_mode', '?')}, predictions: {setup.get('prediction_source_used', '?')}{timed}{source})",
         "",
         "| policy | point | req/s |" + (" trace native req/s | scale |" if trace else "")
         + " SLO attainment % | accuracy % | mean latency s | p99 latency s | mean threshold |",

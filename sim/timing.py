@@ -28,6 +28,7 @@ whole batch ``b``; the two-forward time here is at most that, so its estimates a
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from shared.profiles import LatencyProfile
@@ -55,7 +56,9 @@ def anchored(profile: LatencyProfile, context_tokens: float, time_scale: float =
             for tp, kinds in profile.curves.items()
         },
     }
-    return LatencyProfile.from_dict(data, source="sim.timing.anchored")
+    # what the file's loader derived or smoothed stays said (the curves are copied as loaded)
+    return dataclasses.replace(LatencyProfile.from_dict(data, source="sim.timing.anchored"),
+                               derived_tp=profile.derived_tp, smoothed=profile.smoothed)
 
 
 @dataclass(frozen=True)
