@@ -6,6 +6,11 @@ with the bundled model: scheduler, predictor, reconfigurator, a node agent (whic
 processes) and the gateway. Logs go to ``<run dir>/logs/<service>.log``. It waits until the gateway
 is ready, prints the URL and an example ``curl``, and on Ctrl-C (or SIGTERM) stops everything it
 started, in reverse order, children before the servers they talk to.
+
+``--device cuda`` runs the workers on GPUs (``--gpus``: which, as this process sees them; default
+all): the node agent manages those GPUs (its ``CUDA_VISIBLE_DEVICES``) and pins each worker to its
+slot's. A machine where torch sees no CUDA device (or fewer GPUs than asked for) is refused before
+anything starts.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from shared.cli import CliError
+from shared.devices import VISIBLE_DEVICES, DeviceError, cuda_problem, pin
 from shared.redis_target import SENTINEL_SCHEME
 from shared.settings import redact_urls
 
@@ -41,8 +47,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address the gateway binds")
     p.add_argument("--port", type=int, default=int(os.environ.get("DLS_GATEWAY_PORT", "8000")),
                    help="gateway HTTP port (default: DLS_GATEWAY_PORT or 8000)")
-    p.add_argument("--workers", type=int, default=2, help="worker instances (TP 1 each) the node agent starts")
+    p.add_argument("--workers", type=int, default=None,
+                   help="worker instances (TP 1 each) the node agent starts (default: 2 on CPU, one per GPU on CUDA)")
     p.add_argument("--tp", default=None, help="TP degree per worker instead, comma-separated (e.g. 1,2)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the workers run: cpu (default) or cuda (each worker pinned to its slot's GPUs)")
+    p.add_argument("--gpus", default=None, metavar="IDS",
+                   help="with --device cuda: the GPUs to use, comma-separated, as this process sees them "
+                        "(default: every GPU)")
     p.add_argument("--policy", default="dilaserve", help="scheduling policy (dilaserve, fixed, infaas, llumnix, ...)")
     p.add_argument("--schedulers", type=int, default=1,
                    help="scheduler replicas (shards: each owns the requests and instances whose ids hash to it)")
@@ -160,10 +172,72 @@ def start_redis(stack: Stack, url: str) -> None:
     _wait_listening(url, 6379, "redis-server", stack)
 
 
-def service_env(args, nats_url: str, redis_url: str) -> dict[str, str]:
-    tps = [int(x) for x in args.tp.split(",")] if args.tp else [1] * args.workers
-    if not tps or any(tp < 1 for tp in tps):
+@dataclass(frozen=True)
+class Placement:
+    """Where the workers run: the device, the TP degrees of the first workers, and on CUDA the GPUs
+    (as this process sees them) the node agent manages as its slots 0..n-1."""
+
+    device: str
+    tps: list[int]
+    gpus: list[int] | None = None  # None: CPU, the slots are emulated
+
+    @property
+    def num_slots(self) -> int:
+        return len(self.gpus) if self.gpus is not None else sum(self.tps)
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise CliError(f"{flag}: comma-separated integers, got {text!r}") from None
+
+
+def worker_placement(args) -> Placement:
+    """The workers' device, degrees and GPUs from ``--device``, ``--gpus``, ``--workers`` and ``--tp``;
+    ``CliError`` naming the flag when they cannot be had (on CUDA: asks torch, starts nothing)."""
+    device, workers = getattr(args, "device", "cpu"), getattr(args, "workers", None)
+    gpus_flag = getattr(args, "gpus", None)
+    if device != "cuda":
+        if gpus_flag:
+            raise CliError("--gpus: needs --device cuda")
+        return Placement(device, _degrees(args.tp, workers if workers is not None else 2))
+    gpus = _cuda_gpus(gpus_flag)
+    tps = _degrees(args.tp, workers if workers is not None else len(gpus))
+    from services.node_agent.agent import AgentError, initial_slots
+
+    try:
+        initial_slots(range(len(gpus)), tps)
+    except AgentError as exc:
+        raise CliError(f"--tp/--workers on --gpus {','.join(map(str, gpus))}: {exc}") from None
+    return Placement(device, tps, gpus)
+
+
+def _degrees(tp: str | None, workers: int) -> list[int]:
+    tps = _int_list(tp, "--tp") if tp else [1] * workers
+    if not tps or any(t < 1 for t in tps):
         raise CliError(f"--tp/--workers: need at least one instance of TP >= 1, got {tps}")
+    return tps
+
+
+def _cuda_gpus(gpus_flag: str | None) -> list[int]:
+    """The GPUs ``--gpus`` names (default: all), checked against what torch sees here."""
+    problem = cuda_problem("cuda", 1)
+    if problem:
+        raise CliError(f"--device cuda: {problem}; nothing was started")
+    import torch
+
+    count = torch.cuda.device_count()
+    gpus = _int_list(gpus_flag, "--gpus") if gpus_flag else list(range(count))
+    if len(set(gpus)) != len(gpus) or any(not 0 <= g < count for g in gpus):
+        raise CliError(f"--gpus: {gpus_flag} must name distinct GPUs among the {count} this process sees "
+                       f"(0..{count - 1})")
+    return gpus
+
+
+def service_env(args, nats_url: str, redis_url: str, placement: Placement | None = None) -> dict[str, str]:
+    placement = placement or worker_placement(args)
+    tps = placement.tps
     if not 1 <= args.schedulers <= 64:
         raise CliError(f"--schedulers: between 1 and 64, got {args.schedulers}")
     profile = args.pace or CPU_PROFILE
@@ -180,15 +254,21 @@ def service_env(args, nats_url: str, redis_url: str) -> dict[str, str]:
         "DLS_SCHEDULER_PROFILE": profile,
         "DLS_SCHEDULER_MODEL_DIR": args.model,
         "DLS_RECONFIGURATOR_PROFILE": profile,
-        "DLS_RECONFIGURATOR_CLUSTER": json.dumps({"nodes": {"local": sum(tps)}}),
+        "DLS_RECONFIGURATOR_CLUSTER": json.dumps({"nodes": {"local": placement.num_slots}}),
         "DLS_NODE_AGENT_NODE": "local",
-        "DLS_NODE_AGENT_GPU_IDS": json.dumps(list(range(sum(tps)))),
+        "DLS_NODE_AGENT_GPU_IDS": json.dumps(list(range(placement.num_slots))),
         "DLS_NODE_AGENT_INITIAL_INSTANCES": json.dumps(tps),
         "DLS_NODE_AGENT_LOG_DIR": str(Path(args.run_dir) / "logs"),
         "DLS_WORKER_MODEL_DIR": args.model,
         "DLS_WORKER_PROFILE": CPU_PROFILE,
         "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),  # many small processes: one thread each
     })
+    if placement.gpus is not None:  # the agent's slots 0..n-1 are these GPUs; it pins each worker to its own
+        env["DLS_WORKER_DEVICE"] = placement.device
+        try:
+            env[VISIBLE_DEVICES] = pin(placement.gpus, os.environ.get(VISIBLE_DEVICES))
+        except DeviceError as exc:
+            raise CliError(f"--gpus: {exc}") from None
     if args.pace:
         env["DLS_WORKER_PACE_PROFILE"] = args.pace
         env["DLS_WORKER_PACE_SCALE"] = env["DLS_GATEWAY_PROFILE_SCALE"] = str(args.pace_scale)
@@ -250,6 +330,7 @@ def _up(args) -> int:
     redis_url = os.environ.get("DLS_REDIS_URL", DEFAULT_REDIS_URL)
     if not Path(args.model, "config.json").exists():
         raise CliError(f"--model: {args.model} has no config.json")
+    placement = worker_placement(args)  # a device that is not there fails here, before anything starts
     stack = Stack(Path(args.run_dir))
     stopping = False
 
@@ -271,8 +352,11 @@ def _up(args) -> int:
             else:
                 print(f"{name}: starting a server at {redact_urls(url)}", flush=True)
                 start(stack, url)
-        env = service_env(args, nats_urls, redis_url)  # the services get every server of a cluster
+        env = service_env(args, nats_urls, redis_url, placement)  # the services get every server of a cluster
         print(_auth_line(env), flush=True)
+        if placement.gpus is not None:
+            print(f"workers on CUDA: GPUs {placement.gpus}, TP degrees {placement.tps} (each pinned to its "
+                  f"slot's GPUs; the scheduler plans with {env['DLS_SCHEDULER_PROFILE']})", flush=True)
         for service in SERVICES:
             if service == "scheduler":
                 for shard in range(args.schedulers):  # replica 0 is "scheduler", as with one

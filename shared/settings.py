@@ -197,7 +197,9 @@ class WorkerSettings(ServiceSettings):
                              "sets it); unset: by hash of the instance id", ge=0)
     tp: int = _own("worker", "tp", 1, "tensor-parallel degree", gt=0)
     model_dir: str = _own("worker", "model_dir", "models/dls-tiny", "model directory (bundled, LLaDA or Dream)")
-    device: str = _own("worker", "device", "cpu", "torch device")
+    device: str = _own("worker", "device", "cpu",
+                       "torch device: cpu, cuda or cuda:N (rank r on cuda:N+r of the GPUs this process sees; "
+                       "the node agent pins each worker to its slot's GPUs with CUDA_VISIBLE_DEVICES)")
     max_batch: int = _own("worker", "max_batch", 16, "most requests one step carries", gt=0)
     kv_budget_bytes: int = _own("worker", "kv_budget_bytes", 0,
                                 "bytes the KV cache pool may take per GPU; 0: on CUDA, kv_memory_fraction of the "

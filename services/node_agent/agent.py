@@ -20,9 +20,11 @@
 
 A worker is ``worker_command`` (a leading ``python`` is this interpreter) in its own session and
 process group, with the agent's environment plus the connection settings and ``DLS_WORKER_INSTANCE_ID``,
-``DLS_WORKER_NODE``, ``DLS_WORKER_GPU_IDS`` (JSON list) and ``DLS_WORKER_TP``. Its stdout and stderr
-go to ``<log_dir>/<instance id>.log`` (appended across restarts). On a CPU machine the GPU ids are
-emulated slots: nothing here touches a device.
+``DLS_WORKER_NODE``, ``DLS_WORKER_GPU_IDS`` (JSON list) and ``DLS_WORKER_TP``, pinned to its slot's
+GPUs with ``CUDA_VISIBLE_DEVICES`` (the agent's GPU ids are positions in the ``CUDA_VISIBLE_DEVICES``
+the agent was given, if any): it sees them as ``cuda:0 .. cuda:tp-1``, where ``DLS_WORKER_DEVICE=cuda``
+puts its ranks. Its stdout and stderr go to ``<log_dir>/<instance id>.log`` (appended across
+restarts). On a CPU machine the GPU ids are emulated slots: nothing here touches a device.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shared.devices import VISIBLE_DEVICES, DeviceError, pin
 from shared.messages import codec
 from shared.messages.control import (
     InstanceSlot,
@@ -186,6 +189,10 @@ class NodeAgent:
         if not settings.gpu_ids or len(set(settings.gpu_ids)) != len(settings.gpu_ids):
             raise AgentError(f"GPU ids {settings.gpu_ids} must be a non-empty list without repeats")
         self.gpu_ids = tuple(sorted(settings.gpu_ids))
+        try:
+            pin(self.gpu_ids, os.environ.get(VISIBLE_DEVICES))  # every GPU id must be one this agent sees
+        except DeviceError as exc:
+            raise AgentError(f"DLS_NODE_AGENT_GPU_IDS {list(self.gpu_ids)}: {exc}") from None
         self.argv = worker_argv(settings.worker_command)
         self.boot_slots = initial_slots(self.gpu_ids, settings.initial_instances)
         self.log_dir = Path(settings.log_dir)
@@ -243,7 +250,8 @@ class NodeAgent:
     # --- processes -------------------------------------------------------------------------------
 
     def worker_env(self, worker: Worker) -> dict[str, str]:
-        """The agent's environment, its connection settings, and the worker's own variables."""
+        """The agent's environment, its connection settings, and the worker's own variables; pinned to
+        its GPUs (``CUDA_VISIBLE_DEVICES``: the slot's GPUs, through the agent's own if it has one)."""
         s = self.settings
         env = dict(os.environ)
         env.update({
@@ -257,6 +265,7 @@ class NodeAgent:
             "DLS_WORKER_NODE": self.node,
             "DLS_WORKER_GPU_IDS": json.dumps(list(worker.gpu_ids)),
             "DLS_WORKER_TP": str(worker.tp),
+            VISIBLE_DEVICES: pin(worker.gpu_ids, os.environ.get(VISIBLE_DEVICES)),
             # scheduler shards take the node's slots in turn (a hash of a few instance ids can leave one empty)
             "DLS_WORKER_SHARD": str((worker.gpu_ids[0] // worker.tp if worker.gpu_ids else 0) % s.scheduler_shards),
         })

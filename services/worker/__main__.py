@@ -1,8 +1,10 @@
 """``python -m services.worker``: one model instance, settings from ``DLS_WORKER_*`` (shared/README.md)."""
 
 import logging
+import sys
 
 from services.worker.service import serve
+from shared.devices import DeviceError
 from shared.runtime import run
 from shared.settings import WorkerSettings
 
@@ -10,7 +12,11 @@ from shared.settings import WorkerSettings
 def main() -> None:
     settings = WorkerSettings()
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    run(serve(settings))
+    try:
+        run(serve(settings))
+    except DeviceError as exc:  # its GPUs are not there: say which, no traceback
+        logging.getLogger("dls.worker").error("cannot start: %s", exc)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ from opentelemetry.trace import SpanKind
 
 from services.worker.beats import BeatThread
 from services.worker.kv_cache import KVBudgetExceeded
+from shared.devices import VISIBLE_DEVICES, DeviceError, cuda_problem, is_cuda
 from shared.generation import answer_of, stream_release
 from shared.messages import codec
 from shared.messages.base import CacheMode, StepKind
@@ -780,16 +781,37 @@ def kv_budget_bytes(settings: WorkerSettings) -> int:
     return int(free * settings.kv_memory_fraction)
 
 
+def check_device(settings: WorkerSettings) -> None:
+    """``DeviceError`` naming the setting when the instance's GPUs are not there (before loading anything)."""
+    problem = cuda_problem(settings.device, settings.tp)
+    if problem:
+        raise DeviceError(f"DLS_WORKER_DEVICE={settings.device} (TP {settings.tp}): {problem}")
+
+
+async def warm_up(engine) -> None:
+    """The engine's first forwards (and whatever it prepares then), in a thread, before the worker
+    heartbeats READY: the first request served must not pay for them."""
+    started = time.perf_counter()
+    await asyncio.to_thread(engine.warm_up)
+    logger.info("engine warmed up in %.2f s", time.perf_counter() - started)
+
+
 async def serve(settings: WorkerSettings) -> None:
 
+    from services.worker.devices import rank_gpus
     from shared.state import RedisStateStore
 
+    check_device(settings)
     setup_tracing("dls-worker", settings)
     engine = await asyncio.to_thread(make_engine, settings)
+    logger.info("engine on %s: GPUs %s of the machine (%s=%s)", settings.device,
+                rank_gpus(settings.device, settings.tp) if is_cuda(settings.device) else "none", VISIBLE_DEVICES,
+                os.environ.get(VISIBLE_DEVICES, "unset"))
     budget = kv_budget_bytes(settings)
     if budget:
         engine.set_kv_budget(budget)
         logger.info("KV cache budget: %d bytes per GPU", budget)
+    await warm_up(engine)
     nc = await connect_nats(settings, "dls-worker")
     store = RedisStateStore.from_url(settings.redis_url, settings.redis_key_prefix)
     service = WorkerService(settings, engine, nc, store,

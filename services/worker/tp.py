@@ -165,11 +165,17 @@ class _RankSpec:
         return timedelta(seconds=self.timeout_s)
 
     def rank_device(self, rank: int) -> torch.device:
-        """``cuda`` or ``cuda:N`` puts rank r on GPU N + r; anything else is used as is."""
-        base = torch.device(self.device)
-        if base.type != "cuda":
-            return base
-        return torch.device("cuda", (base.index or 0) + rank)
+        return rank_device(self.device, rank)
+
+
+def rank_device(device: str, rank: int) -> torch.device:
+    """Where rank ``rank`` of an instance on ``device`` runs: ``cuda`` or ``cuda:N`` puts rank r on GPU
+    N + r (of the GPUs this process sees: a worker the node agent pinned with ``CUDA_VISIBLE_DEVICES``
+    sees its slot's GPUs as 0..tp-1); anything else is used as is."""
+    base = torch.device(device)
+    if base.type != "cuda":
+        return base
+    return torch.device("cuda", (base.index or 0) + rank)
 
 
 def _load_shard(spec: _RankSpec, rank: int) -> tuple[DLMEngine, DLMForMaskedDiffusion]:

@@ -6,7 +6,10 @@ there), FAKE_WORKER_FAIL_TP (exit at once with code 3 when its TP degree is this
 FAKE_WORKER_IGNORE_SIGTERM (never exit on SIGTERM: the agent has to kill it), FAKE_WORKER_STUCK_GPU
 (the first worker on this GPU reports, from its third heartbeat on, a step that has been computing
 ever since: its heartbeats go on, its step never returns), FAKE_WORKER_MUTE_SECOND_GPU (the second
-process on this GPU never sends a heartbeat: a restart that hangs before it is READY)."""
+process on this GPU never sends a heartbeat: a restart that hangs before it is READY),
+FAKE_WORKER_DEVICES_DIR (before its first heartbeat it writes ``<instance id>.json`` there: the
+``CUDA_VISIBLE_DEVICES`` it was given and the machine's GPUs its engine would put its ranks on,
+``services.worker.devices.rank_gpus`` for the device its settings name)."""
 
 from __future__ import annotations
 
@@ -64,6 +67,15 @@ async def main():
         print("failing on purpose", flush=True)
         sys.exit(3)
     started_at = time.time()
+    if os.environ.get("FAKE_WORKER_DEVICES_DIR"):
+        from services.worker.devices import rank_gpus
+        from shared.settings import WorkerSettings
+
+        settings = WorkerSettings()
+        placed = {"visible": os.environ.get("CUDA_VISIBLE_DEVICES"), "device": settings.device,
+                  "rank_gpus": rank_gpus(settings.device, settings.tp)}
+        with open(os.path.join(os.environ["FAKE_WORKER_DEVICES_DIR"], f"{INSTANCE_ID}.json"), "w") as out:
+            json.dump(placed, out)
     if os.environ.get("FAKE_WORKER_MUTE_SECOND_GPU") == str(GPU_IDS[0]):
         pid_dir = os.environ["FAKE_WORKER_PID_DIR"]
         n = len([f for f in os.listdir(pid_dir) if f.startswith(f"proc-g{GPU_IDS[0]}-")])
@@ -255,6 +267,38 @@ def test_boot_plan_restart_and_shutdown(nats_server, unique_prefix, tmp_path):
     logs = {p.stem for p in (tmp_path / "logs").iterdir()}
     assert logs == {p.name.rsplit(".", 1)[0] for p in (tmp_path / "pids").iterdir()}
     assert "drained and stopped" in (tmp_path / "logs" / f"{sorted(logs)[0]}.log").read_text()
+
+
+def test_each_worker_is_pinned_to_its_slots_gpus_and_its_engine_places_its_ranks_there(
+        nats_server, unique_prefix, tmp_path, monkeypatch):
+    """GPUs [0, 1, 2, 3], instances [1, 1, 2]: three workers pinned to {0}, {1} and {2, 3}, each seeing its
+    GPUs as cuda:0.. and placing its ranks on exactly those GPUs of the machine (no GPU needed)."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # the agent sees every GPU
+    cluster = Cluster(tmp_path / "pids")
+    devices = tmp_path / "devices"
+    devices.mkdir()
+
+    async def main(agent, log):
+        nc, _ = await watch(nats_server.url, unique_prefix, cluster)
+        await until(lambda: len(cluster.ready_ids()) == 3, "the three workers", agent, log)
+        await nc.close()
+
+    agent, log = start_agent(tmp_path, nats_server.url, unique_prefix, [0, 1, 2, 3], [1, 1, 2],
+                             DLS_WORKER_DEVICE="cuda", FAKE_WORKER_DEVICES_DIR=str(devices))
+    try:
+        asyncio.run(main(agent, log))
+        assert stop_agent(agent, log) == 0, log.read_text()[-3000:]
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()
+    by_gpus = {tuple(cluster.beats[i].gpu_ids): json.loads((devices / f"{i}.json").read_text())
+               for i in cluster.ready_ids()}
+    assert by_gpus == {
+        (0,): {"visible": "0", "device": "cuda", "rank_gpus": ["0"]},
+        (1,): {"visible": "1", "device": "cuda", "rank_gpus": ["1"]},
+        (2, 3): {"visible": "2,3", "device": "cuda", "rank_gpus": ["2", "3"]},
+    }
 
 
 def test_failed_starts_are_reported_and_stubborn_workers_killed(nats_server, unique_prefix, tmp_path):

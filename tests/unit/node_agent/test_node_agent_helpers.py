@@ -85,3 +85,17 @@ def test_a_gpu_count_gives_the_gpus_and_one_tp1_worker_each_unless_they_are_set(
     with pytest.raises(ValueError, match=r"GPU_IDS \[0\] are not DLS_NODE_AGENT_NUM_GPUS 2 GPUs"):
         NodeAgentSettings(num_gpus=2, gpu_ids=[0])
     assert NodeAgentSettings().gpu_ids == [0]  # no count: as before
+
+
+def test_workers_are_pinned_through_the_gpus_the_agent_itself_was_given(monkeypatch):
+    from services.worker.devices import rank_gpus
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-aa,GPU-bb,4,5")  # the agent sees four GPUs, as 0..3
+    agent = NodeAgent(NodeAgentSettings(node="n1", gpu_ids=[0, 1, 2, 3]), nc=None)
+    envs = {gpus: agent.worker_env(Worker(f"n1-tp{len(gpus)}-g{gpus[0]}-abcd", len(gpus), gpus, restartable=True))
+            for gpus in ((0,), (1,), (2, 3))}
+    assert {gpus: env["CUDA_VISIBLE_DEVICES"] for gpus, env in envs.items()} == {
+        (0,): "GPU-aa", (1,): "GPU-bb", (2, 3): "4,5"}
+    assert rank_gpus("cuda", 2, envs[(2, 3)]) == ["4", "5"] and rank_gpus("cuda", 1, envs[(1,)]) == ["GPU-bb"]
+    with pytest.raises(AgentError, match=r"GPU_IDS \[0, 1, 2, 3, 4\]: GPUs \[4\] are not among the 4 devices"):
+        NodeAgent(NodeAgentSettings(node="n1", gpu_ids=[0, 1, 2, 3, 4]), nc=None)
