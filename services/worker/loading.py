@@ -7,6 +7,14 @@
 * Dream (``model_type: Dream``): Qwen2-style names (``model.layers.N.self_attn.q_proj`` ...),
   grouped-query attention with q/k/v biases, logits shifted by one position.
 
+Each family's decoding rule (``services/worker/decoding_rule.py``) is set on the model config
+(``config.decoding_rule``): ``llada`` for the bundled model and LLaDA, Fast-dLLM's ``dream`` rule for
+Dream; a ``decoding_rule`` field in ``config.json`` chooses another.
+
+Tokenizers of LLaDA and Dream directories load through ``shared.tokenizer.load_hf_tokenizer``, as the
+gateway loads them: code a checkpoint ships (Dream-org's ``tokenization_dream.py``) runs only with
+``trust_remote_code`` (``DLS_TRUST_REMOTE_CODE``); without it, its ``tokenizer.json`` where it has one.
+
 Every problem with a directory is reported as a :class:`CheckpointError` naming the file, field or
 tensor that is wrong.
 """
@@ -20,9 +28,11 @@ from pathlib import Path
 
 import torch
 
+from services.worker.decoding_rule import CONFIG_KEY as RULE_KEY
+from services.worker.decoding_rule import DecodingRule, parse_rule
 from services.worker.model import DLMConfig, DLMForMaskedDiffusion
 from shared.generation import GenerationLimits, read_generation_limits
-from shared.tokenizer import TOKENIZER_FILE, CharTokenizer
+from shared.tokenizer import TOKENIZER_FILE, CharTokenizer, TokenizerError, load_hf_tokenizer
 
 LLADA_MASK_ID = 126336
 DREAM_MASK_ID = 151666
@@ -49,7 +59,10 @@ class LoadedModel:
         return self.limits.block_length
 
 
-def load_model(directory: str | Path, device: str = "cpu", dtype: torch.dtype | None = None) -> LoadedModel:
+def load_model(directory: str | Path, device: str = "cpu", dtype: torch.dtype | None = None,
+               trust_remote_code: bool = False) -> LoadedModel:
+    """``trust_remote_code``: let transformers run tokenizer code the checkpoint ships (the worker's
+    ``DLS_TRUST_REMOTE_CODE``)."""
     directory = Path(directory)
     if not directory.is_dir():
         raise CheckpointError(f"{directory}: model directory does not exist")
@@ -58,9 +71,9 @@ def load_model(directory: str | Path, device: str = "cpu", dtype: torch.dtype | 
     if model_type == DLMConfig.model_type:
         loaded = _load_bundled(directory)
     elif model_type == "llada":
-        loaded = _load_foreign(directory, _llada_config(raw, directory), _llada_name, "llada")
+        loaded = _load_foreign(directory, _llada_config(raw, directory), _llada_name, "llada", trust_remote_code)
     elif model_type == "dream":
-        loaded = _load_foreign(directory, _dream_config(raw, directory), _dream_name, "dream")
+        loaded = _load_foreign(directory, _dream_config(raw, directory), _dream_name, "dream", trust_remote_code)
     else:
         raise CheckpointError(
             f"{directory / 'config.json'}: field 'model_type' is {raw.get('model_type')!r}; "
@@ -90,8 +103,17 @@ def _load_bundled(directory: Path) -> LoadedModel:
         model = DLMForMaskedDiffusion.from_pretrained(directory)
     except (OSError, RuntimeError, ValueError) as exc:
         raise CheckpointError(f"{directory}: cannot load weights ({exc})") from None
+    _rule({RULE_KEY: getattr(model.config, RULE_KEY, None)}, directory, DecodingRule.LLADA)  # a bad one: named
     tokenizer = CharTokenizer.from_pretrained(directory) if (directory / TOKENIZER_FILE).exists() else None
     return LoadedModel(model, tokenizer, _limits(directory), directory.name, "dls")
+
+
+def _rule(raw: dict, directory: Path, default: DecodingRule) -> DecodingRule:
+    """The decoding rule ``config.json`` names (``decoding_rule``), else the family's ``default``."""
+    try:
+        return parse_rule(raw.get(RULE_KEY) or default)
+    except ValueError as exc:
+        raise CheckpointError(f"{directory / 'config.json'}: {exc}") from None
 
 
 def _limits(directory: Path) -> GenerationLimits:
@@ -126,6 +148,7 @@ def _llada_config(raw: dict, d: Path) -> DLMConfig:
         mask_token_id=int(raw.get("mask_token_id", LLADA_MASK_ID)),
         pad_token_id=int(raw.get("pad_token_id", 126081)),
         eos_token_id=int(raw.get("eos_token_id", 126081)),
+        **{RULE_KEY: _rule(raw, d, DecodingRule.LLADA).value},
     )
 
 
@@ -147,6 +170,7 @@ def _dream_config(raw: dict, d: Path) -> DLMConfig:
         pad_token_id=int(raw.get("pad_token_id", 151643)),
         eos_token_id=int(raw.get("eos_token_id", 151643)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        **{RULE_KEY: _rule(raw, d, DecodingRule.DREAM).value},  # Fast-dLLM's Dream rule
     )
 
 
@@ -201,7 +225,7 @@ def _read_tensors(directory: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _load_foreign(directory: Path, config: DLMConfig, rename, family: str) -> LoadedModel:
+def _load_foreign(directory: Path, config: DLMConfig, rename, family: str, trust_remote_code: bool) -> LoadedModel:
     with torch.device("meta"):
         model = DLMForMaskedDiffusion(config)
     expected = model.state_dict()
@@ -212,7 +236,8 @@ def _load_foreign(directory: Path, config: DLMConfig, rename, family: str) -> Lo
     model = model.to_empty(device="cpu")
     model.load_state_dict({k: tensors[k] for k in expected}, strict=True)
     model.to(next(iter(tensors.values())).dtype)
-    return LoadedModel(model, _foreign_tokenizer(directory), _limits(directory), directory.name, family)
+    return LoadedModel(model, _foreign_tokenizer(directory, trust_remote_code), _limits(directory), directory.name,
+                       family)
 
 
 def _check_tensors(directory: Path, expected: dict, tensors: dict) -> None:
@@ -228,9 +253,10 @@ def _check_tensors(directory: Path, expected: dict, tensors: dict) -> None:
             )
 
 
-def _foreign_tokenizer(directory: Path):
-    if not any((directory / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
+def _foreign_tokenizer(directory: Path, trust_remote_code: bool):
+    if not any((directory / f).exists() for f in (TOKENIZER_FILE, "tokenizer_config.json")):
         return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(directory)
+    try:
+        return load_hf_tokenizer(directory, trust_remote_code)
+    except TokenizerError as exc:
+        raise CheckpointError(str(exc)) from None

@@ -4,9 +4,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from services.worker.decoding_rule import DecodingRule, decoding_rule
 from services.worker.engine import CacheMode, DLMEngine
 from services.worker.loading import CheckpointError, load_model
 from services.worker.reference import reference_generate
+from tests.dream_checkpoint import write_dream_weights as _write_dream
 
 from .conftest import tiny_model
 
@@ -19,35 +21,6 @@ def _write_llada(directory, model) -> None:
               "eos_token_id": c.eos_token_id, "pad_token_id": c.pad_token_id, "include_bias": False}
     (directory / "config.json").write_text(json.dumps(config))
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, directory / "model.safetensors")
-
-
-_TO_QWEN = {"q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
-            "attn_out": "self_attn.o_proj", "ff_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
-            "ff_out": "mlp.down_proj", "attn_norm": "input_layernorm", "ff_norm": "post_attention_layernorm"}
-
-
-def _qwen_name(name: str) -> str:
-    parts = name.split(".")  # model.transformer.<...>
-    if parts[2] == "wte":
-        return "model.embed_tokens.weight"
-    if parts[2] == "ln_f":
-        return "model.norm.weight"
-    if parts[2] == "ff_out":
-        return "lm_head.weight"
-    layer, module, leaf = parts[3], parts[4], parts[5]
-    return f"model.layers.{layer}.{_TO_QWEN[module]}.{leaf}"
-
-
-def _write_dream(directory, model) -> None:
-    c = model.config
-    config = {"model_type": "Dream", "hidden_size": c.d_model, "num_hidden_layers": c.n_layers,
-              "num_attention_heads": c.n_heads, "num_key_value_heads": c.n_kv_heads,
-              "intermediate_size": c.mlp_hidden_size, "vocab_size": c.vocab_size, "rope_theta": c.rope_theta,
-              "mask_token_id": c.mask_token_id, "eos_token_id": c.eos_token_id, "pad_token_id": c.pad_token_id,
-              "rms_norm_eps": c.rms_norm_eps, "tie_word_embeddings": False}
-    (directory / "config.json").write_text(json.dumps(config))
-    tensors = {_qwen_name(k): v.contiguous() for k, v in model.state_dict().items()}
-    save_file(tensors, directory / "model.safetensors")
 
 
 def test_llada_layout_checkpoint_loads_and_runs_a_step(tmp_path):
@@ -71,11 +44,14 @@ def test_dream_checkpoint_loads_with_gqa_bias_and_shifted_logits(tmp_path):
     assert loaded.model.config.n_kv_heads == 2
     ids = torch.tensor([[3, 4, 5, 1, 1]])
     assert torch.allclose(loaded.model(ids).logits, original(ids).logits, atol=1e-5)
+    assert decoding_rule(loaded.model.config) is DecodingRule.DREAM  # the family's default
     model = loaded.model.double()
+    model.config.decoding_rule = DecodingRule.LLADA  # a model option (the Dream rule: test_dream_rule.py)
     engine = DLMEngine(model, stop_at_eos=False)
     state = engine.new_request("r", [3, 4, 5, 6], 8, 4, CacheMode.NONE)
     engine.run_to_completion([(state, 0.6)])
-    assert state.canvas == reference_generate(model, [3, 4, 5, 6], 8, 4, 0.6, stop_at_eos=False).tokens
+    reference = reference_generate(model, [3, 4, 5, 6], 8, 4, 0.6, stop_at_eos=False, rule=decoding_rule(model.config))
+    assert state.canvas == reference.tokens
 
 
 def test_dream_dual_cache_runs_to_completion(tmp_path):
@@ -85,6 +61,22 @@ def test_dream_dual_cache_runs_to_completion(tmp_path):
     state = engine.new_request("r", [3, 4, 5, 6], 8, 4, CacheMode.DUAL)
     engine.run_to_completion([(state, 0.99)])
     assert state.finished and engine.mask_id not in state.canvas
+
+
+@pytest.mark.parametrize(("family", "default"), [("llada", DecodingRule.LLADA), ("dream", DecodingRule.DREAM)])
+def test_each_family_has_its_decoding_rule_and_config_json_may_name_another(tmp_path, family, default):
+    if family == "dream":
+        _write_dream(tmp_path, tiny_model(seed=1, logits_shift=1, qkv_bias=True, dtype=torch.float32))
+    else:
+        _write_llada(tmp_path, tiny_model(seed=1, dtype=torch.float32))
+    assert decoding_rule(load_model(tmp_path).model.config) is default
+    config = json.loads((tmp_path / "config.json").read_text())
+    other = DecodingRule.LLADA if default is DecodingRule.DREAM else DecodingRule.DREAM
+    (tmp_path / "config.json").write_text(json.dumps({**config, "decoding_rule": other.value}))
+    assert decoding_rule(load_model(tmp_path).model.config) is other
+    (tmp_path / "config.json").write_text(json.dumps({**config, "decoding_rule": "fast"}))
+    with pytest.raises(CheckpointError, match="config.json: field 'decoding_rule' is 'fast'"):
+        load_model(tmp_path)
 
 
 def test_bundled_format_round_trips(tmp_path):
