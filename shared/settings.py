@@ -51,6 +51,11 @@ class ServiceSettings(BaseSettings):
     scheduler_shards: int = Field(1, gt=0, le=64,
                                   description="scheduler replicas, each owning the requests and instances whose "
                                               "ids hash to it (every service must agree)")
+    trust_remote_code: bool = Field(False, description="let transformers run the tokenizer code a checkpoint "
+                                                       "ships (Dream's tokenization_dream.py); the gateway and "
+                                                       "every worker load the tokenizer (the node agent passes "
+                                                       "it on); off: a checkpoint's tokenizer.json instead, "
+                                                       "where it has one")
 
     @field_validator("subject_prefix")
     @classmethod
@@ -92,8 +97,6 @@ class GatewaySettings(ServiceSettings):
     chat_template: str = _own("gateway", "chat_template", "",
                               "chat template (Jinja) to use instead of the model's: a file path or the template "
                               "itself; empty: the tokenizer's own")
-    trust_remote_code: bool = _own("gateway", "trust_remote_code", False,
-                                   "let transformers run the tokenizer code a checkpoint ships (Dream needs it)")
     profile: str = _own("gateway", "profile", "profiles/dls-tiny-cpu.json",
                         "step-latency profile for default SLOs (TP-1 latency at batch 1)")
     profile_scale: float = _own("gateway", "profile_scale", 1.0,

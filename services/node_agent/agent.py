@@ -261,6 +261,7 @@ class NodeAgent:
             "DLS_REDIS_KEY_PREFIX": s.redis_key_prefix,
             "DLS_MAX_PAYLOAD_BYTES": str(s.max_payload_bytes),
             "DLS_LOG_LEVEL": s.log_level,
+            "DLS_TRUST_REMOTE_CODE": str(s.trust_remote_code).lower(),  # workers load the tokenizer too
             "DLS_WORKER_INSTANCE_ID": worker.instance_id,
             "DLS_WORKER_NODE": self.node,
             "DLS_WORKER_GPU_IDS": json.dumps(list(worker.gpu_ids)),

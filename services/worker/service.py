@@ -758,13 +758,12 @@ def _wire_confidence(stats) -> WireConfidence:
 
 
 def make_engine(settings: WorkerSettings):
-    if settings.tp > 1:
-        from services.worker.tp import make_engine as make_tp_engine
+    """The instance's engine: a plain ``DLMEngine`` at TP 1, a ``TensorParallelEngine`` above; the model's
+    tokenizer code runs only with ``DLS_TRUST_REMOTE_CODE`` (as in the gateway)."""
+    from services.worker.tp import make_engine as make_any_engine
 
-        return make_tp_engine(settings.model_dir, settings.tp, settings.device)
-    from services.worker.engine import DLMEngine
-
-    return DLMEngine.from_pretrained(settings.model_dir, device=settings.device)
+    return make_any_engine(settings.model_dir, settings.tp, settings.device,
+                           trust_remote_code=settings.trust_remote_code)
 
 
 def kv_budget_bytes(settings: WorkerSettings) -> int:

@@ -155,6 +155,7 @@ class _RankSpec:
     stop_at_eos: bool
     num_threads: int | None
     timeout_s: float
+    trust_remote_code: bool = False  # tokenizer code the checkpoint ships may run (DLS_TRUST_REMOTE_CODE)
 
     @property
     def backend(self) -> str:
@@ -179,7 +180,8 @@ def rank_device(device: str, rank: int) -> torch.device:
 
 
 def _load_shard(spec: _RankSpec, rank: int) -> tuple[DLMEngine, DLMForMaskedDiffusion]:
-    loaded = load_model(spec.model_dir, device="cpu", dtype=spec.dtype)  # slice on the CPU, then move
+    # slice on the CPU, then move
+    loaded = load_model(spec.model_dir, device="cpu", dtype=spec.dtype, trust_remote_code=spec.trust_remote_code)
     shard_model(loaded.model, rank, spec.degree)
     model = loaded.model.to(spec.rank_device(rank))
     engine = DLMEngine(model, loaded.tokenizer, loaded.gen_length, loaded.block_length,
@@ -294,6 +296,7 @@ class TensorParallelEngine:
         timeout_s: float = 60.0,
         verify: bool = False,
         start_timeout_s: float = 180.0,
+        trust_remote_code: bool = False,
     ) -> None:
         if tp < 2:
             raise ShardingError(f"TensorParallelEngine needs tp >= 2, got {tp} (use make_engine for tp=1)")
@@ -305,7 +308,7 @@ class TensorParallelEngine:
         self.tp = tp
         self.verify = verify
         self._start_timeout_s = start_timeout_s
-        self._spec = _RankSpec(str(model_dir), tp, device, dtype, stop_at_eos, num_threads, timeout_s)
+        self._spec = _RankSpec(str(model_dir), tp, device, dtype, stop_at_eos, num_threads, timeout_s, trust_remote_code)
         self._children: list[tuple[mp.Process, Connection]] = []  # rank - 1 -> (process, rank 0's pipe end)
         self._drop_ids: list[str] = []  # dropped on rank 0 since the last step; the others drop them next
         self._failure: str | None = None  # why the engine is unusable
@@ -583,16 +586,19 @@ def make_engine(
     device: str = "cpu",
     dtype: torch.dtype | None = None,
     stop_at_eos: bool = True,
+    trust_remote_code: bool = False,
     **tp_options,
 ) -> DLMEngine | TensorParallelEngine:
     """A plain :class:`DLMEngine` for ``tp == 1``, a :class:`TensorParallelEngine` otherwise.
 
+    ``trust_remote_code``: tokenizer code the checkpoint ships may run (the worker's ``DLS_TRUST_REMOTE_CODE``).
     ``tp_options`` (``num_threads``, ``timeout_s``, ``verify``, ``start_timeout_s``) only apply to ``tp > 1``.
     """
     if tp < 1:
         raise ShardingError(f"tensor-parallel degree must be at least 1, got {tp}")
     if tp == 1:
-        loaded = load_model(model_dir, device=device, dtype=dtype)
+        loaded = load_model(model_dir, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
         return DLMEngine(loaded.model, loaded.tokenizer, loaded.gen_length, loaded.block_length,
                          stop_at_eos=stop_at_eos, name=loaded.name, max_gen_length=loaded.limits.max_gen_length)
-    return TensorParallelEngine(model_dir, tp, device, dtype, stop_at_eos, **tp_options)
+    return TensorParallelEngine(model_dir, tp, device, dtype, stop_at_eos, trust_remote_code=trust_remote_code,
+                                **tp_options)
