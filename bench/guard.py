@@ -32,6 +32,7 @@ FLOORS_FILE = REPO_ROOT / "bench" / "floors.toml"
 TOP_POINT = "2.0x"  # the paper-bench presets' high-load point
 CODE_TRACE = "tests/data/AzureLLMInferenceTrace_code_first10min.csv"
 CONV_TRACE = "tests/data/AzureLLMInferenceTrace_conv_first10min.csv"
+MEASURED_PROFILE = "profiles/llada-8b-h200-measured.json"  # the headline again on hardware that was measured
 
 
 class GuardError(RuntimeError):
@@ -113,6 +114,9 @@ def runs(out_dir: Path) -> list[Run]:
     return [
         Run("paper-bench-long", _compare("paper-bench-long", "--policies", "dilaserve,infaas,llumnix"),
             _bench_figures("paper_bench_long"), lane=0),
+        Run("paper-bench-long-h200", _compare("paper-bench-long", "--policies", "dilaserve,infaas,llumnix",
+                                              "--profile", MEASURED_PROFILE),
+            _bench_figures("paper_bench_long_h200"), lane=0),
         Run("azure-code", _compare("paper-trace", "--trace", CODE_TRACE), _trace_figures("azure_code", top=False),
             lane=1),
         Run("azure-conv", _compare("paper-trace", "--trace", CONV_TRACE), _trace_figures("azure_conv", top=True),
@@ -207,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.guard", description=__doc__.split("\n")[0])
     parser.add_argument("--json", metavar="PATH", help="write the report here too")
     parser.add_argument("--only", default=None, help="comma-separated runs: predictor, paper-bench, "
-                        "paper-bench-long, azure-code, azure-conv (default: all)")
+                        "paper-bench-long, paper-bench-long-h200, azure-code, azure-conv (default: all)")
     parser.add_argument("--figures", metavar="FILE", help="check these figures instead of measuring")
     parser.add_argument("--floors", default=str(FLOORS_FILE), help="the floors file")
     parser.add_argument("--out-dir", default="runs/guard", help="where each command's JSON goes")
