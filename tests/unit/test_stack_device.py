@@ -63,3 +63,16 @@ def test_up_on_cuda_without_a_cuda_device_fails_at_once_and_starts_nothing(tmp_p
     for port in (nats_port, redis_port):
         with socket.socket() as probe:
             assert probe.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_cuda_placement_takes_every_gpu_or_those_named_and_checks_the_slots(monkeypatch):
+    # what torch would say on a 4-GPU machine (the CUDA check itself is tested above, where it refuses)
+    monkeypatch.setattr("services.stack.cuda_problem", lambda device, num_gpus: None)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert worker_placement(up_args(device="cuda")) == Placement("cuda", [1, 1, 1, 1], [0, 1, 2, 3])
+    assert worker_placement(up_args(device="cuda", gpus="2,3", workers=1)) == Placement("cuda", [1], [2, 3])
+    assert worker_placement(up_args(device="cuda", gpus="0,1,2,3", tp="2,1")) == Placement("cuda", [2, 1], [0, 1, 2, 3])
+    with pytest.raises(CliError, match=r"--gpus: 3,4 must name distinct GPUs among the 4 this process sees"):
+        worker_placement(up_args(device="cuda", gpus="3,4"))
+    with pytest.raises(CliError, match=r"--tp/--workers on --gpus 0,1,2: .*no free aligned slot left for TP-2"):
+        worker_placement(up_args(device="cuda", gpus="0,1,2", tp="1,2"))
