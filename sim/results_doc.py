@@ -444,6 +444,80 @@ def loss_breakdown(runs: dict) -> str:
     return "\n".join(out) + "\n"
 
 
+MEASURED_PROFILE = "profiles/llada-8b-h200-measured.json"
+MEASURED_SUFFIX = "-h200"  # a run on the measured profile: the modelled run's JSON name plus this
+HEADLINE_RUNS = (  # (modelled run's JSON name, what it is, its top point): each also run on the measured profile
+    ("paper-bench-quick", "paper-bench (quick)", "2.0x"),
+    ("paper-bench-long-quick", "paper-bench-long (quick)", "2.0x"),
+    ("paper-trace-azure-quick", "paper-trace, Azure conversation slice (quick)", "1.5x"),
+    ("paper-trace-azure-code-quick", "paper-trace, Azure code slice (quick)", "1.5x"),
+)
+
+
+def _profile_label(data: dict) -> str:
+    profile = data["setup"].get("profile") or {"path": "profiles/llada-8b-h100.json", "measured": False,
+                                               "derived_tp": []}
+    derived = f", TP-{'/'.join(map(str, profile['derived_tp']))} derived" if profile["derived_tp"] else ""
+    return f"`{profile['path']}` ({'measured' if profile['measured'] else 'modelled'}{derived})"
+
+
+def _ahead_at(data: dict, label: str) -> tuple[bool, str]:
+    """Whether DiLaServe's SLO attainment is above both baselines' at ``label``, and by how much."""
+    d = _point(data, "dilaserve", label)
+    others = [_point(data, b, label) for b in BASELINES]
+    if d is None or any(o is None for o in others):
+        return False, "no such point"
+    ahead = all(d["slo_attainment"] > o["slo_attainment"] for o in others)
+    return ahead, " / ".join(_pp(d, o) for o in others) + " pp"
+
+
+def measured_headlines(load_run) -> str:
+    """The headline comparisons on the modelled H100 profile and the measured H200 profile, side by side."""
+    pairs = [(name, what, top, load_run(name), load_run(name + MEASURED_SUFFIX)) for name, what, top in HEADLINE_RUNS]
+    pairs = [row for row in pairs if row[3] and row[4]]
+    if not pairs:
+        return ""
+    from shared.profiles import LatencyProfile
+
+    measured_1, modelled_1 = (LatencyProfile.load(path).beta(1, 1) * 1000 for path in
+                              (MEASURED_PROFILE, "profiles/llada-8b-h100.json"))
+    out = ["## The headlines on a measured profile\n",
+           f"Every run above is timed by the modelled H100 profile `profiles/llada-8b-h100.json`. These are the "
+           f"headline runs again on `{MEASURED_PROFILE}`: LLaDA-8B's shape measured on one H200 (the engine as it was "
+           f"then: SDPA per request, no CUDA graphs; a cache step of {measured_1:.1f} ms at batch 1 where the model says "
+           f"{modelled_1:.1f}), at TP "
+           "1 only, TP 2, 4 and 8 derived from it through the modelled profile's TP model (the trace runs reconfigure "
+           "to TP 2 and 4), the cache step at batch 2 "
+           "smoothed (`profiles/README.md`). The same commands with `--profile` and the JSON name with "
+           f"`{MEASURED_SUFFIX}`. Each row says which profile timed it; SLOs (5x the isolated latency) and nominal "
+           "capacities are each profile's own, so a point is the same multiple of each profile's capacity.\n",
+           "| run | profile | SLO s | nominal req/s | point | req/s | SLO % DiLaServe / INFaaS / Llumnix | accuracy % "
+           "| mean threshold | DiLaServe lead, pp vs INFaaS / Llumnix |",
+           "|---|---|---:|---:|---|---:|---|---|---:|---|"]
+    verdicts = []
+    for _, what, top, modelled, measured in pairs:
+        for data in (modelled, measured):
+            setup = data["setup"]
+            for d in data["policies"]["dilaserve"]["points"]:
+                others = [_point(data, b, d["label"]) for b in BASELINES]
+                if any(o is None for o in others):
+                    continue
+                trio = (d, *others)
+                out.append(
+                    f"| {what} | {_profile_label(data)} | {setup['slo_s']:.2f} | {setup['nominal_capacity_rps']:.1f} | "
+                    f"{d['label']} | {d['rps']:.2f} | " + " / ".join(f"{100 * p['slo_attainment']:.1f}" for p in trio)
+                    + " | " + " / ".join(f"{100 * p['accuracy']:.1f}" for p in trio)
+                    + f" | {d.get('mean_threshold', float('nan')):.3f} | "
+                    + " / ".join(_pp(d, o) for o in others) + " |")
+        cells = []
+        for data, which in ((modelled, "modelled"), (measured, "measured")):
+            ahead, by = _ahead_at(data, top)
+            cells.append(f"{which} {'ahead' if ahead else 'NOT ahead'} ({by})")
+        verdicts.append(f"- {what} at {top}: " + "; ".join(cells) + ".")
+    out += ["", "DiLaServe against both baselines at each run's top point:\n", *verdicts, ""]
+    return "\n".join(out) + "\n"
+
+
 def main() -> None:
     pbq = load("paper-bench-quick")
     out = []
@@ -452,7 +526,8 @@ def main() -> None:
     w("Produced by `sim/run_results.sh` (commands below) on a 2-core CPU machine shared with other jobs, with "
       "the bundled model `models/dls-tiny` (its model card; each JSON's `setup.model_key` names the weights' digest; "
       "its replay trace was recorded from them), its step predictor (`models/dls-tiny/predictor`; `--prediction auto` found it), "
-      "and the modelled H100 profile `profiles/llada-8b-h100.json`. The `paper-bench` and `paper-trace` tables "
+      "and the modelled H100 profile `profiles/llada-8b-h100.json` (the headline runs also on the profile measured on "
+      "an H200: \"The headlines on a measured profile\"). The `paper-bench` and `paper-trace` tables "
       "are from the `--quick` sizes (the acceptance runs); `paper-bench` also from the full size (replay only); "
       "ablations from `--quick`. DiLaServe's candidate thresholds are the paper's 0.5-0.9 within a 1-point "
       "quality budget on the model's measured curve (`sim/README.md`; each JSON's `setup.candidate_thresholds`); "
@@ -528,10 +603,12 @@ def main() -> None:
     w(long_answers(*(load(name) for name in LONG_RUNS)))
     w(load_control_experiment(load("ablation-loadctl-quick"), load("ablation-loadctl-long-quick")))
     w(above_capacity(runs))
+    w(measured_headlines(load))
     w(loss_breakdown({**runs, "paper-bench-quick": pbq}))
     w("## Tables\n")
     for name in ("paper-bench-quick", "paper-bench", *LONG_RUNS, *(n for n, _, _ in TRACE_RUNS), "ablation-threshold-quick",
-                 "ablation-loadctl-quick", "ablation-loadctl-long-quick", "ablation-predictor-quick", "ablation-migration-quick", "ablation-cache-quick", "sweep-input-quick"):
+                 "ablation-loadctl-quick", "ablation-loadctl-long-quick", "ablation-predictor-quick", "ablation-migration-quick", "ablation-cache-quick", "sweep-input-quick",
+                 *(n + MEASURED_SUFFIX for n, _, _ in HEADLINE_RUNS)):
         data = load(name)
         if data:
             w(f"### {name}\n")

@@ -17,6 +17,12 @@ nice -n 10 .venv/bin/dls compare --preset paper-bench --no-fidelity --policies d
 for P in ablation-loadctl ablation-predictor ablation-migration ablation-cache sweep-input; do
   nice -n 10 .venv/bin/dls compare --preset $P --quick --json $D/$P-quick.json > $D/$P-quick.txt 2>&1
 done
+# the headline runs again on the profile measured on an H200 (docs/results.md, "The headlines on a measured profile")
+M=profiles/llada-8b-h200-measured.json
+nice -n 10 .venv/bin/dls compare --preset paper-bench --quick --no-fidelity --profile $M --json $D/paper-bench-quick-h200.json > $D/paper-bench-quick-h200.txt 2>&1
+nice -n 10 .venv/bin/dls compare --preset paper-bench-long --quick --profile $M --json $D/paper-bench-long-quick-h200.json > $D/paper-bench-long-quick-h200.txt 2>&1
+nice -n 10 .venv/bin/dls compare --preset paper-trace --quick --profile $M --trace tests/data/AzureLLMInferenceTrace_conv_first10min.csv --json $D/paper-trace-azure-quick-h200.json > $D/paper-trace-azure-quick-h200.txt 2>&1
+nice -n 10 .venv/bin/dls compare --preset paper-trace --quick --profile $M --trace tests/data/AzureLLMInferenceTrace_code_first10min.csv --json $D/paper-trace-azure-code-quick-h200.json > $D/paper-trace-azure-code-quick-h200.txt 2>&1
 nice -n 10 .venv/bin/dls capacity --preset paper-bench --quick --policy dilaserve --target 0.9 --json $D/capacity-dilaserve.json > $D/capacity.txt 2>&1
 nice -n 10 .venv/bin/dls capacity --preset paper-bench --quick --policy infaas --target 0.9 --json $D/capacity-infaas.json >> $D/capacity.txt 2>&1
 .venv/bin/python -m sim.results_doc  # writes docs/results.md from the JSON files

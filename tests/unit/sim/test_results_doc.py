@@ -32,3 +32,28 @@ def test_loss_breakdown_has_a_row_per_point_with_every_policy():
     assert rows[1] == "| paper-bench | 2.0x | 50.0 / 50.0 / 50.0 | 1.00 / 2.00 / 3.00 | 0.25 / 0.25 / 0.25 | " \
                       "0.001 / 0.001 / 0.001 | 40 / 40 / 40 | 0.800 / 0.800 / 0.800 |"
     assert len(rows) == 2
+
+
+def compare_json(profile: dict, slo: dict[str, tuple[float, float]]) -> dict:
+    return {"setup": {"slo_s": 3.0, "nominal_capacity_rps": 50.0, "profile": profile},
+            "policies": {label: {"points": [{**point("1.0x", a), "rps": 50.0, "mean_threshold": 0.85},
+                                            {**point("2.0x", b), "rps": 100.0, "mean_threshold": 0.8}]}
+                         for label, (a, b) in slo.items()}}
+
+
+def test_measured_headlines_put_each_profile_beside_the_other_and_judge_the_top_point():
+    modelled = {"path": "profiles/llada-8b-h100.json", "measured": False, "derived_tp": [], "smoothed": []}
+    measured = {"path": results_doc.MEASURED_PROFILE, "measured": True, "derived_tp": [2, 4, 8], "smoothed": ["x"]}
+    runs = {"paper-bench-quick": compare_json(modelled, {"dilaserve": (1.0, 0.9), "infaas": (0.8, 0.4),
+                                                         "llumnix": (0.8, 0.5)}),
+            "paper-bench-quick-h200": compare_json(measured, {"dilaserve": (1.0, 0.5), "infaas": (0.9, 0.5),
+                                                              "llumnix": (0.9, 0.45)})}
+    text = results_doc.measured_headlines(runs.get)
+    rows = [line for line in text.splitlines() if line.startswith("| paper-bench (quick) |")]
+    assert len(rows) == 4
+    assert rows[1].startswith("| paper-bench (quick) | `profiles/llada-8b-h100.json` (modelled) | 3.00 | 50.0 | 2.0x |")
+    assert "`profiles/llada-8b-h200-measured.json` (measured, TP-2/4/8 derived)" in rows[3]
+    assert "| 50.0 / 50.0 / 45.0 |" in rows[3] and "| +0.0 / +5.0 |" in rows[3]
+    assert ("- paper-bench (quick) at 2.0x: modelled ahead (+50.0 / +40.0 pp); measured NOT ahead "
+            "(+0.0 / +5.0 pp).") in text
+    assert results_doc.measured_headlines({"paper-bench-quick": runs["paper-bench-quick"]}.get) == ""
