@@ -267,6 +267,9 @@ def write_profile(engine: DLMEngine, args: argparse.Namespace, prompt_length: in
         "attention": engine.attention.value,
         "kv_bytes_per_token": engine.kv_cache.bytes_per_token,
         "tp": {"1": by_kind},
+        # a measurement may dip at some batch (noise, a kernel choice); the loader then times each batch as
+        # the fastest batch at least as large, and says which points it changed (shared/profiles.py)
+        "batch_monotone": "min-over-larger",
         "notes": (f"measured by `python -m bench.engine --arch {args.arch} --device {args.device} --profile ...` "
                   f"(random weights, torch {torch.__version__}), median of {args.profile_repeats} repeats"),
     }

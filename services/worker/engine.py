@@ -64,21 +64,22 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from services.worker.attention import (
     FLASH_PAGE_SIZE,
     AttentionBackend,
-    CachedAttention,
-    CacheWrite,
-    FreshAttention,
-    Segments,
+    KeyLayout,
+    StepLayout,
     resolve_backend,
 )
+from services.worker.decoding_rule import DecodingRule, cache_window_start, decoding_rule
 from services.worker.kv_cache import KVBudgetExceeded as KVBudgetExceeded  # re-exported: what step raises
 from services.worker.kv_cache import PagedKVCache
 from services.worker.model import DLMForMaskedDiffusion
-from services.worker.sampling import MAX_TOP_LOGPROBS, SamplingParams, noise_seed, sample, top_candidates
+from services.worker.runner import ForwardBatch, ModelRunner, SampledRows, StepOutput, TopRows
+from services.worker.sampling import MAX_TOP_LOGPROBS, SamplingParams, noise_seed
 from shared.generation import Answer, answer_of, canvas_length, stop_length
 from shared.messages.base import CacheMode, StepKind
 from shared.tokenizer import answer_text
@@ -234,13 +235,21 @@ class _Item:
     block: int
     fresh_start: int  # absolute position of the first fresh (input) token
     fresh_ids: list[int]
-    logit_start: int  # index into fresh_ids of the output that predicts the block's first position
+    # index into fresh_ids of the output that predicts the block's first position (negative: none does, the
+    # position is committed already: Dream's rule at a cache step)
+    logit_start: int
     # recompute steps with a cache: positions 0..num_stored-1 are stored (what this block's cache
     # steps read without recomputing: all for dual, those before the window for prefix)
     num_stored: int = 0
     # full forwards of a request that stops at EOS: the outputs of the canvas positions after the block
     # also go through the LM head, to see where the model expects the EOS (``predicted_end``)
     num_lookahead: int = 0
+    extent_key: str | None = None  # a no-cache request's transient extent, in a step reading keys from the pool
+
+    @property
+    def block_tokens(self) -> list[int]:
+        start, end = self.state.block_bounds(self.block)
+        return self.state.canvas[start:end]
 
     @property
     def block_size(self) -> int:
@@ -269,9 +278,12 @@ class DLMEngine:
         kv_page_size: int | None = None,
         kv_capacity_tokens: int = 0,
         kv_budget_bytes: int = 0,
+        cuda_graphs: bool | None = None,
     ) -> None:
         """``attention``: ``auto`` (flash-attn where it runs, else PyTorch's varlen op on CUDA, else
-        SDPA), ``flash``, ``torch_varlen`` or ``sdpa`` (``services/worker/attention.py``).
+        flex_attention on CUDA, else SDPA), ``flash``, ``torch_varlen``, ``flex`` or ``sdpa``
+        (``services/worker/attention.py``). ``cuda_graphs``: replay dual-cache steps from CUDA graphs
+        (``services/worker/runner.py``; default: on CUDA with a varlen kernel; False turns them off).
         ``kv_page_size``: slots per KV page (flash-attn needs 256; SDPA defaults to 16).
         ``kv_capacity_tokens``: positions the KV pool holds from the start (it grows when full).
         ``kv_budget_bytes``: the most the KV pool may take (0: no cap; ``set_kv_budget`` later).
@@ -288,13 +300,17 @@ class DLMEngine:
         self.mask_id = model.config.mask_token_id
         self.eos_id = model.config.eos_token_id
         self.shift = int(getattr(model.config, "logits_shift", 0))
+        self.rule = decoding_rule(model.config)  # the family's decoding rule (services/worker/decoding_rule.py)
         block = model.model.transformer.blocks[0]  # a tensor-parallel shard holds only its own heads
-        self.attention = resolve_backend(attention, model.device, model.dtype, block.head_dim)
-        page_size = kv_page_size or (FLASH_PAGE_SIZE if self.attention is AttentionBackend.FLASH else 16)
-        if self.attention is AttentionBackend.FLASH and page_size % FLASH_PAGE_SIZE:
+        backend = resolve_backend(attention, model.device, model.dtype, block.head_dim,
+                                  gqa=block.n_kv_heads != block.n_heads)
+        page_size = kv_page_size or (FLASH_PAGE_SIZE if backend is AttentionBackend.FLASH else 16)
+        if backend is AttentionBackend.FLASH and page_size % FLASH_PAGE_SIZE:
             raise EngineError(f"flash-attn needs KV pages of a multiple of {FLASH_PAGE_SIZE} slots, got {page_size}")
         self.kv_cache = PagedKVCache(len(model.model.transformer.blocks), block.n_kv_heads, block.head_dim,
                                      model.dtype, model.device, page_size, kv_capacity_tokens, kv_budget_bytes)
+        graphs = model.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+        self.runner = ModelRunner(model, backend, self.kv_cache, cuda_graphs=graphs)
         self._cache_blocks: dict[str, int] = {}  # request id -> the block whose start refreshed its cache
         self.last_step_traffic: dict[StepKind, KVTraffic] = {}  # kind -> bytes its forward moved, last step
 
@@ -307,6 +323,17 @@ class DLMEngine:
             loaded.model, loaded.tokenizer, loaded.gen_length, loaded.block_length, name=loaded.name,
             max_gen_length=loaded.limits.max_gen_length, **kwargs,
         )
+
+    @property
+    def attention(self) -> AttentionBackend:
+        """The attention backend every step runs on (the runner's)."""
+        return self.runner.attention
+
+    @attention.setter
+    def attention(self, backend: AttentionBackend) -> None:
+        self.runner.attention = backend
+        self.runner.graphs_enabled = self.runner.graphs_enabled and backend in (AttentionBackend.FLASH,
+                                                                                AttentionBackend.TORCH_VARLEN)
 
     # --- requests -------------------------------------------------------------------------------
 
@@ -414,35 +441,32 @@ class DLMEngine:
 
     @torch.no_grad()
     def step(self, batch: list[tuple[RequestState, float]]) -> list[StepResult]:
-        """Advance every (state, threshold) by one step; states are updated in place."""
+        """Advance every (state, threshold) by one step, in one forward; states are updated in place."""
         items = [self._plan(state, tau) for state, tau in batch]
-        copied, written = self.kv_cache.bytes_copied, self.kv_cache.bytes_written
-        # every KV reservation the batch makes (the recompute forward's: counted there), before anything
-        # changes (KVBudgetExceeded: none does)
+        copied = self.kv_cache.bytes_copied
+        # every KV reservation the batch makes, before anything changes (KVBudgetExceeded: none does)
         self.kv_cache.make_room([need for state, _ in batch if (need := self._kv_request(state)) is not None])
+        keys = KeyLayout.FRESH if all(it.kind is StepKind.RECOMPUTE for it in items) else KeyLayout.POOL
+        transient = self._place(items, keys)
+        try:
+            forward = self._forward_batch(items, keys)
+            output = self.runner.forward(forward)
+        finally:
+            for key in transient:
+                self.kv_cache.release(key)
+        self._note_traffic(items, keys, self.kv_cache.bytes_copied - copied)
         results: dict[str, StepResult] = {}  # request id -> result
-        self.last_step_traffic = {}
-        for kind in (StepKind.RECOMPUTE, StepKind.CACHE):
-            group = [it for it in items if it.kind is kind]
-            if kind is StepKind.CACHE:  # in pool order: the torch_varlen kernel reads keys at increasing offsets
-                group.sort(key=lambda it: self.kv_cache.extent(it.state.request_id).first_page)
-            if group:
-                logits = self._forward(group)
-                if kind is StepKind.RECOMPUTE and self.predict_end:  # where each request expects its EOS
-                    self._predict_ends(group, logits)
-                block_rows = self._block_rows(group)
-                if block_rows is not None:  # lookahead rows read: only the block rows go on
-                    logits = logits[block_rows.to(logits.device)]
-                confidences, tokens = self._confidences(logits)
-                self.last_step_traffic[kind] = KVTraffic(self.kv_cache.bytes_copied - copied,
-                                                         self.kv_cache.bytes_written - written)
-                copied, written = self.kv_cache.bytes_copied, self.kv_cache.bytes_written
-                offset = 0
-                for item in group:
-                    rows = slice(offset, offset + item.block_size)
-                    conf, tok, top = self._candidates(item, logits[rows], confidences[rows], tokens[rows])
-                    results[item.state.request_id] = self._commit(item, conf, tok, top)
-                    offset += item.block_size
+        row, ahead = 0, forward.num_block_rows  # each item's first block row, and lookahead row
+        for item in items:
+            if item.kind is StepKind.RECOMPUTE and item.state.cache_mode is not CacheMode.NONE:
+                self._cache_blocks[item.state.request_id] = item.block
+            n = item.block_size
+            if item.kind is StepKind.RECOMPUTE and self.predict_end and self.stops_at_eos(item.state):
+                # where the request expects its EOS: its block rows and the lookahead rows after them
+                self._predict_end(item, output.tokens[row : row + n] + output.tokens[ahead : ahead + item.num_lookahead])
+                ahead += item.num_lookahead
+            results[item.state.request_id] = self._commit(item, output, row)
+            row += n
         return [results[state.request_id] for state, _ in batch]
 
     def _plan(self, state: RequestState, threshold: float) -> _Item:
@@ -456,132 +480,143 @@ class DLMEngine:
         sequence = state.prompt_ids + state.canvas
         prompt_len = len(state.prompt_ids)
         start, end = state.block_bounds(block)
-        window_start = prompt_len + start - self.shift  # the output predicting the block's first position
+        predicting = prompt_len + start - self.shift  # the output predicting the block's first position
+        window_start = cache_window_start(self.rule, prompt_len + start, self.shift)  # a cache step's first row
         if kind is StepKind.RECOMPUTE:
             stored = {CacheMode.NONE: 0, CacheMode.PREFIX: window_start, CacheMode.DUAL: len(sequence)}
             ahead = state.gen_length - end if self.predict_end and self.stops_at_eos(state) else 0
-            return _Item(state, threshold, kind, block, 0, sequence, window_start, stored[state.cache_mode], ahead)
+            return _Item(state, threshold, kind, block, 0, sequence, predicting, stored[state.cache_mode], ahead)
         window_end = prompt_len + (end if state.cache_mode is CacheMode.DUAL else state.gen_length)
-        return _Item(state, threshold, kind, block, window_start, sequence[window_start:window_end], 0)
+        # Dream's rule starts the window at the block: its first position (committed at the block's first
+        # forward) has no output in the window (logit_start < 0: never read)
+        return _Item(state, threshold, kind, block, window_start, sequence[window_start:window_end],
+                     predicting - window_start)
 
-    def _forward(self, group: list[_Item]) -> torch.Tensor:
-        """One packed forward; the logits of every item's block positions, in order, on the model's device."""
-        device = self.model.device
-        segments = Segments(tuple(len(it.fresh_ids) for it in group))
-        ids = torch.tensor([t for it in group for t in it.fresh_ids])
-        positions = torch.cat([torch.arange(it.fresh_start, it.fresh_start + len(it.fresh_ids)) for it in group])
-        logit_rows = torch.cat([torch.arange(start + it.logit_start, start + it.logit_start + it.block_size + it.num_lookahead)
-                                for it, start in zip(group, segments.starts, strict=True)])
-        attention = self._attention(group, segments)
-        logits = self.model.forward_packed(
-            ids.to(device), positions.to(device), attention, logit_rows.to(device),
-            max_position=max(it.fresh_start + len(it.fresh_ids) for it in group) - 1,
-        )
-        if group[0].kind is StepKind.RECOMPUTE:
-            for it in group:
-                if it.state.cache_mode is not CacheMode.NONE:
-                    self._cache_blocks[it.state.request_id] = it.block
-        return logits
-
-    def _attention(self, group: list[_Item], segments: Segments):
-        if group[0].kind is StepKind.RECOMPUTE:
-            return FreshAttention(self.attention, segments, self.model.device, self._recompute_writes(group, segments))
-        extents = [self.kv_cache.extent(it.state.request_id) for it in group]
-        slots = torch.cat([self.kv_cache.slots(e, it.fresh_start, it.fresh_start + len(it.fresh_ids))
-                           for it, e in zip(group, extents, strict=True)])
-        write = CacheWrite(self.kv_cache, slots.to(self.model.device))
-        return CachedAttention(self.attention, segments, self.kv_cache, extents, write)
-
-    def _recompute_writes(self, group: list[_Item], segments: Segments) -> CacheWrite | None:
-        """Where a recompute step stores keys and values: each caching item's first ``num_stored`` rows."""
-        rows, slots = [], []
-        caching = [(it, start) for it, start in zip(group, segments.starts, strict=True)
-                   if it.state.cache_mode is not CacheMode.NONE]
-        self.kv_cache.make_room([(it.state.request_id, it.sequence_length) for it, _ in caching])
-        for it, _ in caching:  # all first: a reservation may compact the pool, moving the others' pages
+    def _place(self, items: list[_Item], keys: KeyLayout) -> list[str]:
+        """Reserve the KV extents the step writes (recompute steps with a cache; with keys read from the
+        pool, a transient extent per no-cache request too), and order the items as the pool holds them
+        (the torch_varlen kernel reads keys at increasing offsets); the transient extents' keys."""
+        self.runner.prepare()
+        caching = [it for it in items if it.kind is StepKind.RECOMPUTE and it.state.cache_mode is not CacheMode.NONE]
+        for it in caching:  # all first: a reservation may compact the pool, moving the others' pages
             self.kv_cache.reserve(it.state.request_id, it.sequence_length)
-        for it, start in caching:
-            extent = self.kv_cache.extent(it.state.request_id)
-            rows.append(torch.arange(start, start + it.num_stored))
-            slots.append(self.kv_cache.slots(extent, 0, it.num_stored))
-        if not rows:
-            return None
-        rows_t, device = torch.cat(rows), self.model.device
-        every_row = len(rows_t) == segments.total  # then no row needs selecting
-        return CacheWrite(self.kv_cache, torch.cat(slots).to(device), None if every_row else rows_t.to(device))
+        transient = []
+        if keys is KeyLayout.POOL:
+            for it in items:
+                if it.state.cache_mode is CacheMode.NONE:
+                    key = f"<step>{it.state.request_id}"
+                    self.kv_cache.reserve_transient(key, it.sequence_length)
+                    it.extent_key = key
+                    transient.append(key)
+                if it.kind is StepKind.RECOMPUTE:
+                    it.num_stored = it.sequence_length  # its own attention reads them from the pool
+            items.sort(key=lambda it: self.kv_cache.extent(it.extent_key or it.state.request_id).first_page)
+        return transient
 
-    @staticmethod
-    def _block_rows(group: list[_Item]) -> torch.Tensor | None:
-        """The block rows' indices among a forward's logit rows; None when there are no others."""
-        if not any(it.num_lookahead for it in group):
-            return None
-        index, offset = [], 0
-        for it in group:
-            index.append(torch.arange(offset, offset + it.block_size))
-            offset += it.block_size + it.num_lookahead
-        return torch.cat(index)
+    def _forward_batch(self, items: list[_Item], keys: KeyLayout) -> ForwardBatch:
+        """The step as the model runner takes it (host arrays, built once)."""
+        q_lengths = [len(it.fresh_ids) for it in items]
+        q_starts = np.concatenate(([0], np.cumsum(q_lengths)[:-1])).astype(np.int64)
+        total = int(sum(q_lengths))
+        ids = np.fromiter((t for it in items for t in it.fresh_ids), dtype=np.int64, count=total)
+        first = np.repeat(np.array([it.fresh_start for it in items], dtype=np.int64) - q_starts, q_lengths)
+        positions = np.arange(total, dtype=np.int64) + first
+        extents = [self.kv_cache.extent(it.extent_key or it.state.request_id)
+                   if keys is KeyLayout.POOL or it.num_stored else None for it in items]
+        page = self.kv_cache.page_size
+        if keys is KeyLayout.POOL:
+            layout = StepLayout(tuple(q_lengths), keys, tuple(e.first_slot(page) for e in extents),
+                                tuple(it.sequence_length for it in items))
+            write_slots = positions + np.repeat([e.first_slot(page) for e in extents], q_lengths)
+            write_rows = None
+        else:
+            layout = StepLayout(tuple(q_lengths), keys)
+            stored = [(int(q), e.first_slot(page), it.num_stored) for it, q, e in zip(items, q_starts, extents,
+                                                                                      strict=True) if it.num_stored]
+            write_rows = np.concatenate([np.arange(q, q + n) for q, _, n in stored]) if stored else None
+            write_slots = np.concatenate([np.arange(s, s + n) for _, s, n in stored]) if stored else None
+            if write_rows is not None and len(write_rows) == total:
+                write_rows = None  # every row, in order
+        block_sizes = [it.block_size for it in items]
+        block_rows = np.concatenate([np.maximum(np.arange(q + it.logit_start, q + it.logit_start + n), q)
+                                     for it, q, n in zip(items, q_starts, block_sizes, strict=True)])
+        lookahead = [np.arange(q + it.logit_start + n, q + it.logit_start + n + it.num_lookahead)
+                     for it, q, n in zip(items, q_starts, block_sizes, strict=True) if it.num_lookahead]
+        num_block_rows = int(sum(block_sizes))
+        eligible = np.fromiter((t == self.mask_id for it in items for t in it.block_tokens), dtype=bool,
+                               count=num_block_rows)
+        if self.rule is DecodingRule.DREAM:  # a block's first forward commits the block's first position alone
+            for start, it in zip(np.concatenate(([0], np.cumsum(block_sizes)[:-1])).tolist(), items, strict=True):
+                if eligible[start]:
+                    eligible[start + 1 : start + it.block_size] = False
+        thresholds = np.repeat(np.array([it.threshold for it in items], dtype=np.float64), block_sizes)
+        row_starts = np.concatenate(([0], np.cumsum(block_sizes)[:-1]))
+        width = max(block_sizes)
+        grid = np.full((len(items), width), num_block_rows, dtype=np.int64)
+        for i, (start, n) in enumerate(zip(row_starts.tolist(), block_sizes, strict=True)):
+            grid[i, :n] = np.arange(start, start + n)
+        sampled, top = [], []
+        for it, start, n in zip(items, row_starts.tolist(), block_sizes, strict=True):
+            state = it.state
+            if not state.sampling.greedy:
+                seed = noise_seed(state.sampling.seed, state.request_id, state.num_steps)
+                sampled.append(SampledRows(start, start + n, state.sampling, seed))
+            if state.num_top_logprobs:
+                top.append(TopRows(start, start + n, state.num_top_logprobs))
+        graphable = (keys is KeyLayout.POOL and all(it.kind is StepKind.CACHE and it.state.cache_mode is CacheMode.DUAL
+                                                    for it in items)
+                     and len(set(q_lengths)) == 1 and len(set(block_sizes)) == 1)
+        return ForwardBatch(
+            ids=ids, positions=positions, layout=layout,
+            logit_rows=np.concatenate([block_rows, *lookahead]), num_block_rows=num_block_rows,
+            eligible=eligible, thresholds=thresholds, grid=grid,
+            max_position=int(max(it.fresh_start + len(it.fresh_ids) for it in items)) - 1,
+            write_slots=write_slots, write_rows=write_rows, sampled=sampled, top=top,
+            graph_window=q_lengths[0] if graphable else 0, block_length=block_sizes[0] if graphable else 0,
+            inclusive=self.rule is DecodingRule.DREAM,
+        )
 
-    def _predict_ends(self, group: list[_Item], logits: torch.Tensor) -> None:
-        """Each item's ``predicted_end``: the first still-masked position of its block or after it whose
-        most likely token is EOS (greedy, the mask token excluded), else the canvas end."""
-        offset = 0
-        for it in group:
-            rows = it.block_size + it.num_lookahead
-            if self.stops_at_eos(it.state):
-                scores = logits[offset:offset + rows].float()
-                scores[:, self.mask_id] = float("-inf")
-                is_eos = (scores.argmax(dim=-1) == self.eos_id).cpu().tolist()
-                start, canvas = it.state.block_bounds(it.block)[0], it.state.canvas
-                it.state.predicted_end = next((start + i for i, eos in enumerate(is_eos)
-                                               if eos and canvas[start + i] == self.mask_id), it.state.gen_length)
-            offset += rows
+    def _note_traffic(self, items: list[_Item], keys: KeyLayout, copied: int) -> None:
+        """``last_step_traffic``: per step kind, the cache bytes its requests stored and the bytes the
+        pool copied (growing or compacting, which only recompute steps' reservations do)."""
+        per_token = self.kv_cache.bytes_per_token
+        self.last_step_traffic = {}
+        for kind in (StepKind.RECOMPUTE, StepKind.CACHE):
+            group = [it for it in items if it.kind is kind]
+            if not group:
+                continue
+            stored = sum(it.num_stored if kind is StepKind.RECOMPUTE else len(it.fresh_ids)
+                         for it in group if it.state.cache_mode is not CacheMode.NONE)
+            moved = copied if kind is StepKind.RECOMPUTE or not any(it.kind is StepKind.RECOMPUTE for it in items) else 0
+            self.last_step_traffic[kind] = KVTraffic(moved, stored * per_token)
 
-    def _confidences(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top probability and token of each row, the mask token excluded, moved to the CPU at once."""
-        rows = logits.float()
-        rows[:, self.mask_id] = float("-inf")  # the mask token is never an answer
-        confidence, tokens = torch.softmax(rows, dim=-1).max(dim=-1)
-        return confidence.cpu(), tokens.cpu()
+    def _predict_end(self, item: _Item, tokens: list[int]) -> None:
+        """``predicted_end``: the first still-masked position of the block or after it whose candidate
+        is EOS (the mask token excluded), else the canvas end."""
+        start, canvas = item.state.block_bounds(item.block)[0], item.state.canvas
+        item.state.predicted_end = next((start + i for i, t in enumerate(tokens)
+                                         if t == self.eos_id and canvas[start + i] == self.mask_id),
+                                        item.state.gen_length)
 
-    def _candidates(self, item: _Item, logits: torch.Tensor, confidence: torch.Tensor, tokens: torch.Tensor):
-        """The candidate token and its probability at each of ``item``'s block positions: the greedy ones
-        given, or drawn (a temperature above 0); and the most likely tokens there when asked for."""
-        state = item.state
-        if state.sampling.greedy and not state.num_top_logprobs:
-            return confidence, tokens, None
-        rows = logits.double()
-        rows[:, self.mask_id] = float("-inf")  # the mask token is never an answer
-        if not state.sampling.greedy:
-            seed = noise_seed(state.sampling.seed, state.request_id, state.num_steps)
-            drawn_conf, drawn = sample(rows, state.sampling, seed)
-            confidence, tokens = drawn_conf.to(confidence.dtype).cpu(), drawn.cpu()
-        top = None
-        if state.num_top_logprobs:
-            ids, probs = top_candidates(rows, state.num_top_logprobs)
-            top = (ids.cpu(), probs.cpu())
-        return confidence, tokens, top
-
-    def _commit(self, item: _Item, block_confidence: torch.Tensor, block_tokens: torch.Tensor,
-                block_top: tuple[torch.Tensor, torch.Tensor] | None = None) -> StepResult:
-        """Commit ``item``'s masked block positions by the threshold rule, given every block position's
-        candidate and its probability (and, when asked for, its most likely tokens)."""
+    def _commit(self, item: _Item, output: StepOutput, row: int) -> StepResult:
+        """Apply the step's commits to ``item``'s canvas (its block rows start at ``row``)."""
         state = item.state
         start, end = state.block_bounds(item.block)
-        masked = [i for i in range(start, end) if state.canvas[i] == self.mask_id]
-        index = torch.tensor([i - start for i in masked])
-        conf, tokens = block_confidence[index], block_tokens[index]
-        chosen = conf > item.threshold
-        chosen[torch.argmax(conf)] = True
-        committed = [(masked[j], int(tokens[j])) for j in torch.nonzero(chosen).flatten().tolist()]
-        for j in torch.nonzero(chosen).flatten().tolist():
-            pos = masked[j]
-            state.canvas[pos] = int(tokens[j])
-            top = None
-            if block_top is not None:
-                top = (block_top[0][pos - start].tolist(), block_top[1][pos - start].tolist())
-            state.record_commit(pos, float(conf[j]), top)
+        committed, masked_confidences, remaining = [], [], []
+        for i in range(end - start):
+            pos = start + i
+            if state.canvas[pos] != self.mask_id:
+                continue
+            conf = output.confidence[row + i]
+            masked_confidences.append(conf)
+            if output.commit[row + i]:
+                committed.append((pos, output.tokens[row + i]))
+                state.record_commit(pos, conf, output.top.get(row + i))
+            else:
+                remaining.append(conf)
+        for pos, token in committed:
+            state.canvas[pos] = token
         state.num_steps += 1
-        remaining = [float(conf[j]) for j in range(len(masked)) if not chosen[j]]
         eos_at = [p for p, t in committed if t == self.eos_id]
         if eos_at and self.predict_end and self.stops_at_eos(state):  # the answer ends there or before
             known = state.gen_length if state.predicted_end is None else state.predicted_end
@@ -590,7 +625,7 @@ class DLMEngine:
         return StepResult(
             state.request_id, item.kind, item.block, [p for p, _ in committed], [t for _, t in committed],
             state.finished, state.num_steps, state.canvas.count(self.mask_id), ConfidenceStats.of(remaining),
-            item.threshold, tuple(conf.tolist()), skipped, state.predicted_end,
+            item.threshold, tuple(masked_confidences), skipped, state.predicted_end,
         )
 
     def _finish_if_done(self, state: RequestState, block_start: int, block_end: int) -> int:

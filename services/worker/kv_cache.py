@@ -120,6 +120,7 @@ class PagedKVCache:
         self.pool = torch.empty((n_layers, 2, 0, page_size, n_kv_heads, head_dim), dtype=dtype, device=device)
         self._free = _FreePages()
         self._extents: dict[str, Extent] = {}  # request id -> its pages
+        self._transient: set[str] = set()  # ids whose pages are workspace for one step, outside the budget
         self.held_pages = 0  # pages requests hold (kept in step with _extents)
         self.held_tokens = 0  # positions they hold
         self.bytes_written = 0
@@ -135,6 +136,10 @@ class PagedKVCache:
     @property
     def num_pages(self) -> int:
         return self.pool.shape[2]
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_pages * self.page_size
 
     @property
     def bytes_per_token(self) -> int:
@@ -210,6 +215,26 @@ class PagedKVCache:
         self.held_tokens += num_tokens
         return extent
 
+    def reserve_transient(self, key: str, num_tokens: int) -> Extent:
+        """Pages for one step's workspace (a no-cache request's keys in a step that reads keys from the
+        pool; a CUDA graph's padding rows): outside the budget and the held counters, the pool growing
+        past the budget if it must; ``release`` gives them back."""
+        num_pages = self.pages_for(num_tokens)
+        if self._extents.get(key, Extent(0, 0, 0)).num_tokens == num_tokens and key in self._transient:
+            return self._extents[key]
+        self.release(key)
+        first = self._free.take(num_pages)
+        if first is None and self._free.num_free >= num_pages:  # enough, but scattered
+            self._compact()
+            first = self._free.take(num_pages)
+        if first is None:
+            self._grow(num_pages)  # a free run of num_pages at the end, at least
+            first = self._free.take(num_pages)
+        assert first is not None, "the pool grew too little for a transient extent"
+        extent = self._extents[key] = Extent(first, num_pages, num_tokens)
+        self._transient.add(key)
+        return extent
+
     def pages_needed(self, requests: list[tuple[str, int]]) -> int:
         """New pages these (request id, positions) reservations take (a request's own extent of that
         size is kept; one of another size is given back first)."""
@@ -241,8 +266,12 @@ class PagedKVCache:
 
     def release(self, request_id: str) -> None:
         extent = self._extents.pop(request_id, None)
-        if extent is not None:
-            self._free.give(extent.first_page, extent.num_pages)
+        if extent is None:
+            return
+        self._free.give(extent.first_page, extent.num_pages)
+        if request_id in self._transient:
+            self._transient.discard(request_id)
+        else:
             self.held_pages -= extent.num_pages
             self.held_tokens -= extent.num_tokens
 
@@ -254,7 +283,7 @@ class PagedKVCache:
         freed = self.capacity_bytes
         shape = list(self.pool.shape)
         shape[2] = self._base_pages
-        self.pool = self.pool.new_empty(shape)
+        self.pool = self.pool.new_zeros(shape)
         self._free.reset(0, self._base_pages)
         return freed - self.capacity_bytes
 
@@ -263,7 +292,9 @@ class PagedKVCache:
         old = self.pool
         shape = list(old.shape)
         shape[2] += extra_pages
-        self.pool = old.new_empty(shape)
+        # zeros, not whatever the allocator held: a kernel reading a masked slot (flex_attention's partial
+        # blocks, SDPA's padded keys) multiplies it by a probability of 0, which a NaN would survive
+        self.pool = old.new_zeros(shape)
         if old.shape[2]:
             self.pool[:, :, : old.shape[2]].copy_(old)
             self.bytes_copied += old.numel() * old.element_size()

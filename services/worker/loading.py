@@ -148,6 +148,7 @@ def _llada_config(raw: dict, d: Path) -> DLMConfig:
         mask_token_id=int(raw.get("mask_token_id", LLADA_MASK_ID)),
         pad_token_id=int(raw.get("pad_token_id", 126081)),
         eos_token_id=int(raw.get("eos_token_id", 126081)),
+        rope_full_precision=bool(raw.get("rope_full_precision", True)),  # LLaDA-8B's config: true
         **{RULE_KEY: _rule(raw, d, DecodingRule.LLADA).value},
     )
 
@@ -170,6 +171,7 @@ def _dream_config(raw: dict, d: Path) -> DLMConfig:
         pad_token_id=int(raw.get("pad_token_id", 151643)),
         eos_token_id=int(raw.get("eos_token_id", 151643)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        rope_full_precision=False,  # Qwen2's rotary: cos/sin cast to the model's dtype, rotated in it
         **{RULE_KEY: _rule(raw, d, DecodingRule.DREAM).value},  # Fast-dLLM's Dream rule
     )
 

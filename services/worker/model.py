@@ -49,6 +49,8 @@ class DLMConfig(PretrainedConfig):
         max_sequence_length: int = 4096,
         qkv_bias: bool = False,
         logits_shift: int = 0,
+        rope_full_precision: bool = True,
+        decoding_rule: str = "llada",
         mask_token_id: int = 1,
         pad_token_id: int = 0,
         eos_token_id: int = 2,
@@ -66,6 +68,10 @@ class DLMConfig(PretrainedConfig):
         self.max_sequence_length = max_sequence_length
         self.qkv_bias = qkv_bias
         self.logits_shift = logits_shift  # 1 for Dream: position p is predicted by the output at p-1
+        # RoPE computed in float32 whatever the model's dtype (LLaDA's config key of the same name; true for
+        # LLaDA-8B). Dream (Qwen2) rotates in the model's dtype: its loader sets it false
+        self.rope_full_precision = rope_full_precision
+        self.decoding_rule = decoding_rule  # the family's decoding rule (services/worker/decoding_rule.py)
         self.mask_token_id = mask_token_id
         self.tie_word_embeddings = tie_word_embeddings  # Dream checkpoints may share wte and the LM head
         super().__init__(pad_token_id=pad_token_id, eos_token_id=eos_token_id, **kwargs)
@@ -90,10 +96,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x * self.weight.float()).to(dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """LLaDA's and Dream's RMSNorm, precision included: normalised in float32, cast back to the model's
+    dtype, *then* scaled by the weight in that dtype (both reference modeling codes do it this way)."""
+    h = x.float()
+    return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
 def rope_angles(positions: torch.Tensor, head_dim: int, theta: float) -> torch.Tensor:
@@ -111,14 +121,18 @@ class RopeTable:
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype,
                max_position: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin ``[*positions.shape, Dh]`` in ``dtype``; ``max_position`` (when the caller knows it)
-        spares reading the positions back from the device."""
+        """cos/sin ``[*positions.shape, Dh]`` in ``dtype`` (float32 for RoPE in full precision);
+        ``max_position`` (when the caller knows it) spares reading the positions back from the device."""
         if max_position is None:
             max_position = int(positions.max()) if positions.numel() else 0
         cos, sin = self._table(positions.device, max_position + 1)
         flat = positions.reshape(-1)
         shape = (*positions.shape, self.head_dim)
         return cos.index_select(0, flat).view(shape).to(dtype), sin.index_select(0, flat).view(shape).to(dtype)
+
+    def reserve(self, device: torch.device, length: int) -> None:
+        """Build the table for ``length`` positions now (a captured CUDA graph must never rebuild it)."""
+        self._table(device, length)
 
     def _table(self, device: torch.device, needed: int) -> tuple[torch.Tensor, torch.Tensor]:
         table = self._tables.get(device)
@@ -130,9 +144,12 @@ class RopeTable:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    """Rotate ``x`` in the dtype of ``cos``/``sin`` (float32: LLaDA's ``rope_full_precision``; the
+    model's dtype: Dream's, as Qwen2 does), returned in ``x``'s dtype."""
+    h = x.to(cos.dtype)
+    half = h.shape[-1] // 2
+    rotated = torch.cat((-h[..., half:], h[..., :half]), dim=-1)
+    return (h * cos + rotated * sin).to(x.dtype)
 
 
 class Block(nn.Module):
@@ -152,7 +169,7 @@ class Block(nn.Module):
         self.up_proj = nn.Linear(d, config.mlp_hidden_size, bias=False)
         self.ff_out = nn.Linear(config.mlp_hidden_size, d, bias=False)
 
-    def forward(self, x, cos, sin, key_mask, context_kv=None):
+    def forward(self, x, cos, sin, key_mask, context_kv=None, replace: tuple[int, int] | None = None):
         batch, q_len, _ = x.shape
         h = self.attn_norm(x)
         q = self.q_proj(h).view(batch, q_len, self.n_heads, self.head_dim).transpose(1, 2)
@@ -160,7 +177,10 @@ class Block(nn.Module):
         v = self.v_proj(h).view(batch, q_len, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         fresh_kv = (k, v)
-        if context_kv is not None:
+        if context_kv is not None and replace is not None:  # fresh keys take their positions' slots
+            k, v = context_kv[0].clone(), context_kv[1].clone()
+            k[:, :, replace[0] : replace[1]], v[:, :, replace[0] : replace[1]] = fresh_kv
+        elif context_kv is not None:
             k = torch.cat((context_kv[0], k), dim=2)
             v = torch.cat((context_kv[1], v), dim=2)
         attn = F.scaled_dot_product_attention(
@@ -192,9 +212,7 @@ class Block(nn.Module):
 
 def mlp_residual(x, norm_weight, eps: float, gate_weight, up_weight, down_weight) -> torch.Tensor:
     """``Block._mlp`` as a pure function of its weights, so that one compiled graph serves every layer."""
-    dtype = x.dtype
-    h = x.float()
-    h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()).to(dtype)
+    h = rms_norm(x, norm_weight, eps)
     return x + F.linear(F.silu(F.linear(h, gate_weight)) * F.linear(h, up_weight), down_weight)
 
 
@@ -260,12 +278,15 @@ class DLMForMaskedDiffusion(PreTrainedModel):
         context_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
         context_valid: torch.Tensor | None = None,
         return_kv: bool = False,
+        replace: tuple[int, int] | None = None,
         **_: object,
     ) -> DLMOutput:
         """``attention_mask`` [B, Q]: 1 for real tokens (0 for left padding, never attended to).
 
         ``position_ids`` default to counting real tokens from 0. With ``context_kv``, queries also
-        attend to the cached slots where ``context_valid`` [B, C] is true.
+        attend to the cached slots where ``context_valid`` [B, C] is true; with ``replace`` (a range of
+        cached slots as long as the input), the fresh keys and values take those slots instead of
+        following the cached ones (Fast-dLLM's dual cache: keys stay in position order).
         """
         batch, q_len = input_ids.shape
         if attention_mask is None:
@@ -273,14 +294,18 @@ class DLMForMaskedDiffusion(PreTrainedModel):
         attention_mask = attention_mask.bool()
         if position_ids is None:
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-        key_valid = attention_mask if context_valid is None else torch.cat((context_valid.bool(), attention_mask), 1)
-        key_mask = key_valid[:, None, None, :]
+        if context_valid is None:
+            key_valid = attention_mask
+        else:
+            key_valid = context_valid.bool() if replace is not None else torch.cat((context_valid.bool(), attention_mask), 1)
+        # no mask where every key is real: the kernel the reference's modeling code runs
+        key_mask = None if bool(key_valid.all()) else key_valid[:, None, None, :]
         transformer = self.model.transformer
         x = transformer.wte(input_ids)
-        cos, sin = self.rope.lookup(position_ids[:, None], x.dtype)  # [B, 1, Q, Dh]: once, for every layer
+        cos, sin = self.rope.lookup(position_ids[:, None], self.rope_dtype)  # [B, 1, Q, Dh]: once, for every layer
         fresh = []
         for i, block in enumerate(transformer.blocks):
-            x, kv = block(x, cos, sin, key_mask, None if context_kv is None else context_kv[i])
+            x, kv = block(x, cos, sin, key_mask, None if context_kv is None else context_kv[i], replace)
             if return_kv:
                 fresh.append(kv)
         logits = transformer.ff_out(transformer.ln_f(x))
@@ -303,10 +328,17 @@ class DLMForMaskedDiffusion(PreTrainedModel):
         """
         transformer = self.model.transformer
         x = transformer.wte(input_ids)
-        cos, sin = self.rope.lookup(positions[:, None], x.dtype, max_position)  # [T, 1, Dh]: once, for every layer
+        cos, sin = self.rope.lookup(positions[:, None], self.rope_dtype, max_position)  # [T, 1, Dh]: once, every layer
         for i, block in enumerate(transformer.blocks):
             x = block.forward_packed(x, cos, sin, lambda q, k, v, i=i: attention(i, q, k, v))
         return transformer.ff_out(transformer.ln_f(x.index_select(0, logit_rows)))
+
+    @property
+    def rope_dtype(self) -> torch.dtype:
+        """The dtype RoPE is computed in (``DLMConfig.rope_full_precision``)."""
+        if getattr(self.config, "rope_full_precision", True) and self.dtype in (torch.float16, torch.bfloat16):
+            return torch.float32
+        return self.dtype
 
     def compile_mlp(self, enabled: bool = True) -> None:
         """Run every block's RMSNorm + SwiGLU through one ``torch.compile``d graph (dynamic shapes: one

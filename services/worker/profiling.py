@@ -77,5 +77,6 @@ def profile_model(model_dir: str, device: str, batch_sizes: list[int], context_t
         "gen_length": engine.default_gen_length,
         "kv_bytes_per_token": engine.kv_cache.bytes_per_token,
         "tp": {"1": by_kind},
+        "batch_monotone": "min-over-larger",  # a noisy dip at some batch is smoothed, and said (shared/profiles.py)
         "notes": f"measured by `dls profile` with torch {torch.__version__}, median of {repeats} repeats",
     }

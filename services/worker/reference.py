@@ -4,7 +4,9 @@ It is deliberately the plainest reading of block-wise threshold decoding, so tha
 the engine can be tested against it token for token. ``cache`` gives Fast-dLLM's approximate KV cache
 in its plainest form: a full forward at each block start keeps every position's keys and values;
 the block's later steps run the fresh window (the block for ``dual``, the block and everything after
-it for ``prefix``) and attend to a copy of the kept keys and values outside the window.
+it for ``prefix``) and attend to the kept keys and values with the window's fresh ones in their slots.
+Confidences are the engine's (``services/worker/commit.py``: the float64 softmax at the likeliest
+token, as LLaDA's and Fast-dLLM's decoders compute it).
 
 ``rule`` picks the decoding rule (``services/worker/decoding_rule.py``): ``llada``, the default whatever
 the model's config says (DiLaServe's rule: the threshold at every step; a shifted model's windows start
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from services.worker.commit import greedy_candidates
 from services.worker.decoding_rule import DecodingRule, cache_window_start, parse_rule, select_commits
 from services.worker.model import DLMForMaskedDiffusion
 
@@ -73,16 +76,13 @@ def reference_generate(
             else:
                 out = _cache_step(model, x, kept, window_start, window_end)
                 first = window_start  # the window's first output is that of position window_start
-            logits = out.logits[0].float()
+            logits = out.logits[0]
             positions = block_start + masked  # absolute positions still masked in the block
             outputs = positions - shift - first  # the output predicting each (its row in this forward)
             if int(outputs.min()) < 0:
                 raise AssertionError(f"a cache step's window starts after the output predicting position "
                                      f"{int(positions[outputs.argmin()])}")
-            rows = logits[outputs]
-            rows[:, mask_id] = float("-inf")  # the mask token is never an answer
-            probs = torch.softmax(rows, dim=-1)
-            conf, token = probs.max(dim=-1)
+            conf, token = greedy_candidates(logits[outputs], mask_id)  # the mask token is never an answer
             tau = threshold(num_steps) if callable(threshold) else threshold
             chosen = select_commits(rule, conf, tau, block_start_masked=bool(masked[0] == 0))
             x[0, positions[chosen]] = token[chosen]
@@ -95,9 +95,9 @@ def reference_generate(
 
 
 def _cache_step(model: DLMForMaskedDiffusion, x: torch.Tensor, kept, window_start: int, window_end: int):
-    """Run ``x[window_start:window_end]`` against a copy of the kept keys/values outside the window."""
-    outside = torch.cat((torch.arange(0, window_start), torch.arange(window_end, x.shape[1]))).to(x.device)
-    context = [(k.index_select(2, outside), v.index_select(2, outside)) for k, v in kept]
+    """Run ``x[window_start:window_end]`` against the kept keys/values, the window's fresh ones in their
+    own positions' slots (keys in position order, as Fast-dLLM's dual cache keeps them)."""
     positions = torch.arange(window_start, window_end, device=x.device)[None]
-    valid = torch.ones((1, len(outside)), dtype=torch.bool, device=x.device)
-    return model(x[:, window_start:window_end], position_ids=positions, context_kv=context, context_valid=valid)
+    valid = torch.ones((1, x.shape[1]), dtype=torch.bool, device=x.device)
+    return model(x[:, window_start:window_end], position_ids=positions, context_kv=kept, context_valid=valid,
+                 replace=(window_start, window_end))

@@ -4,9 +4,8 @@ tokens and steps equal the reference decoder's Dream rule, with no cache, prefix
 batch 1 and in a mixed batch (requests joining at different steps, mixed prompt, canvas and block
 lengths and thresholds).
 
-The engine side of the rule (``services/worker/decoding_rule.py`` says what it is) is not in yet:
-until it is, these fail on their token and step comparisons, and ``strict`` turns the day they pass
-into a reminder to drop the marker.
+What the rule is: ``services/worker/decoding_rule.py``; the engine applies it in its step plan (cache
+windows from the block) and in the commit rule on the device (``eligible``, ``inclusive``).
 """
 
 import random
@@ -22,7 +21,6 @@ from tests.dream_checkpoint import write_dream_weights
 from .conftest import tiny_model
 
 MODES = [CacheMode.NONE, CacheMode.PREFIX, CacheMode.DUAL]
-PENDING = pytest.mark.xfail(strict=True, raises=AssertionError, reason="engine side of the Dream rule not yet in")
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +51,6 @@ def _check(model, state, spec, mode) -> None:
     assert (state.canvas, state.num_steps) == (ref.tokens, ref.num_steps)
 
 
-@PENDING
 @pytest.mark.parametrize("mode", MODES)
 def test_engine_equals_the_dream_reference_at_batch_1(dream_model, mode):
     engine = DLMEngine(dream_model, stop_at_eos=False, kv_page_size=4)
@@ -64,7 +61,6 @@ def test_engine_equals_the_dream_reference_at_batch_1(dream_model, mode):
         _check(dream_model, state, spec, mode)
 
 
-@PENDING
 @pytest.mark.parametrize("mode", MODES)
 def test_engine_equals_the_dream_reference_in_a_mixed_batch(dream_model, mode):
     engine = DLMEngine(dream_model, stop_at_eos=False, kv_page_size=4)

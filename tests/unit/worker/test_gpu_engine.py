@@ -1,10 +1,12 @@
 """GPU checks (marker ``gpu``, excluded by default; ``scripts/gpu-check.sh`` runs them on a CUDA machine).
 
 * the packed engine on CUDA equals the reference, token for token, in every cache mode (float64, SDPA);
-* each varlen kernel there (flash-attn, PyTorch's varlen op) computes what SDPA computes, on packed
-  fresh rows and on requests' caches read in place from the pool;
-* engines on each varlen kernel commit exactly the tokens of the SDPA engine: the bundled model over
-  32 prompts (fp16), and a Dream-style random model (shifted logits, GQA) with mixed lengths.
+* each kernel there (flash-attn, PyTorch's varlen op, flex_attention) computes what SDPA computes, on
+  packed fresh rows and on requests' caches read in place from the pool;
+* engines on each kernel commit exactly the tokens of the SDPA engine: the bundled model over 32
+  prompts (fp16), and a Dream-style random model (shifted logits, GQA) with mixed lengths;
+* steps replayed from CUDA graphs commit the tokens of the same steps run eagerly, and a step makes no
+  hidden host-device synchronisation (``torch.cuda.set_sync_debug_mode``) besides its one read-back.
 
 TP-2 over NCCL is ``test_tp.py::test_two_gpus_decode_like_one`` (two GPUs).
 """
@@ -14,15 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.worker.attention import (
-    AttentionBackend,
-    CachedAttention,
-    CacheWrite,
-    FreshAttention,
-    Segments,
-    backend_runs,
-)
-from services.worker.engine import DLMEngine
+from services.worker.attention import AttentionBackend, KeyLayout, StepAttention, StepLayout, backend_runs
+from services.worker.engine import CacheMode, DLMEngine
 from services.worker.kv_cache import PagedKVCache
 from services.worker.loading import load_model
 from services.worker.reference import reference_generate
@@ -34,12 +29,13 @@ from .test_packed import MODELS, MODES, _run_staggered, _specs
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 MODEL_DIR = Path(__file__).resolve().parents[3] / "models" / "dls-tiny"
-KERNELS = [AttentionBackend.FLASH, AttentionBackend.TORCH_VARLEN]
+KERNELS = [AttentionBackend.FLASH, AttentionBackend.TORCH_VARLEN, AttentionBackend.FLEX]
+GRAPH_KERNELS = [AttentionBackend.FLASH, AttentionBackend.TORCH_VARLEN]
 CUDA = torch.device("cuda")
 
 
-def _require(kernel: AttentionBackend, head_dim: int, dtype=torch.float16) -> None:
-    if not backend_runs(kernel, CUDA, dtype, head_dim):
+def _require(kernel: AttentionBackend, head_dim: int, dtype=torch.float16, gqa: bool = False) -> None:
+    if not backend_runs(kernel, CUDA, dtype, head_dim, gqa):
         pytest.skip(f"{kernel.value} does not run here")
 
 
@@ -55,9 +51,9 @@ def test_packed_engine_on_cuda_equals_the_reference(mode):
         assert state.canvas == reference_generate(model, prompt, gen, block, tau, stop_at_eos=False, cache=mode).tokens
 
 
-def _pool_with_gaps(lengths: list[int], heads: int, head_dim: int) -> tuple[PagedKVCache, list]:
+def _pool_with_gaps(lengths: list[int], heads: int, head_dim: int, page_size: int) -> tuple[PagedKVCache, list]:
     """A pool of random keys/values holding ``lengths`` in pool order, with freed extents between them."""
-    cache = PagedKVCache(2, heads, head_dim, torch.float16, CUDA, page_size=256)
+    cache = PagedKVCache(2, heads, head_dim, torch.float16, CUDA, page_size=page_size)
     extents = []
     for i, n in enumerate(lengths):
         extents.append(cache.reserve(f"r{i}", n))
@@ -68,24 +64,34 @@ def _pool_with_gaps(lengths: list[int], heads: int, head_dim: int) -> tuple[Page
     return cache, extents
 
 
+def _attend(kernel, layout, cache, layer, q, k, v, slots=None):
+    step = StepAttention(kernel, layout, cache)
+    step.bind({name: torch.from_numpy(a).to(CUDA) for name, a in step.host_arrays().items()}, CUDA)
+    if slots is not None:
+        step.store = lambda layer, k, v: cache.write(layer, k, v, slots)
+    return step(layer, q, k, v)
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
-def test_varlen_kernels_compute_what_sdpa_computes(kernel):
-    _require(kernel, 64)
+def test_kernels_compute_what_sdpa_computes(kernel):
+    _require(kernel, 64, gqa=True)
     torch.manual_seed(0)
     heads, kv_heads, head_dim = 8, 2, 64
-    fresh = Segments((5, 37, 300, 64))
+    lengths = (5, 37, 300, 64)
+    fresh = StepLayout(lengths, KeyLayout.FRESH)
     q = torch.randn(fresh.total, heads, head_dim, dtype=torch.float16, device=CUDA)
     k, v = (torch.randn(fresh.total, kv_heads, head_dim, dtype=torch.float16, device=CUDA) for _ in range(2))
-    expected = FreshAttention(AttentionBackend.SDPA, fresh, CUDA)(0, q, k, v)
-    got = FreshAttention(kernel, fresh, CUDA)(0, q, k, v)
-    torch.testing.assert_close(got, expected, atol=2e-3, rtol=2e-3)
+    expected = _attend(AttentionBackend.SDPA, fresh, None, 0, q, k, v)
+    torch.testing.assert_close(_attend(kernel, fresh, None, 0, q, k, v), expected, atol=2e-3, rtol=2e-3)
 
-    cache, extents = _pool_with_gaps([40, 333, 600, 90], kv_heads, head_dim)
-    starts = [3, 250, 280, 58]  # each request's window: fresh.lengths[i] positions from starts[i]
-    slots = torch.cat([cache.slots(e, s, s + n) for e, s, n in zip(extents, starts, fresh.lengths, strict=True)])
-    write = CacheWrite(cache, slots.to(CUDA))
-    expected = CachedAttention(AttentionBackend.SDPA, fresh, cache, extents, write)(1, q, k, v)
-    got = CachedAttention(kernel, fresh, cache, extents, write)(1, q, k, v)  # writes the same window again
+    page = 256 if kernel is AttentionBackend.FLASH else 16
+    cache, extents = _pool_with_gaps([40, 333, 600, 90], kv_heads, head_dim, page)
+    starts = [3, 250, 280, 58]  # each request's window: lengths[i] positions from starts[i]
+    pooled = StepLayout(lengths, KeyLayout.POOL, tuple(e.first_slot(page) for e in extents),
+                        tuple(e.num_tokens for e in extents))
+    slots = torch.cat([cache.slots(e, s, s + n) for e, s, n in zip(extents, starts, lengths, strict=True)]).to(CUDA)
+    expected = _attend(AttentionBackend.SDPA, pooled, cache, 1, q, k, v, slots)
+    got = _attend(kernel, pooled, cache, 1, q, k, v, slots)  # writes the same window again
     torch.testing.assert_close(got, expected, atol=2e-3, rtol=2e-3)
 
 
@@ -109,7 +115,7 @@ def test_kernel_engine_commits_the_sdpa_engine_tokens_over_32_prompts(kernel, mo
 @pytest.mark.parametrize("mode", MODES)
 def test_kernel_engine_commits_the_sdpa_engine_tokens_with_gqa_and_shifted_logits(kernel, mode):
     model = tiny_model(**MODELS["dream"], dtype=torch.float16).to(CUDA)
-    _require(kernel, model.config.head_dim)
+    _require(kernel, model.config.head_dim, gqa=True)
     specs = _specs(seed=12, count=7)
     canvases = {}
     for attention in (kernel, AttentionBackend.SDPA):
@@ -118,3 +124,48 @@ def test_kernel_engine_commits_the_sdpa_engine_tokens_with_gqa_and_shifted_logit
         _run_staggered(engine, states, [t for *_, t in specs])
         canvases[attention] = [s.canvas for s in states]
     assert canvases[kernel] == canvases[AttentionBackend.SDPA]
+
+
+@pytest.mark.parametrize("kernel", GRAPH_KERNELS)
+def test_steps_replayed_from_cuda_graphs_commit_the_eager_tokens(kernel):
+    loaded = load_model(MODEL_DIR, device="cuda", dtype=torch.float16)
+    _require(kernel, loaded.model.config.head_dim)
+    problems = TaskGenerator(seed=21).problems(24, max_shots=3, split=Split.HELD_OUT)
+    canvases, graph_steps = {}, 0
+    for graphs in (True, False):
+        engine = DLMEngine(loaded.model, loaded.tokenizer, loaded.gen_length, loaded.block_length,
+                           attention=kernel.value, cuda_graphs=graphs)
+        states = [engine.new_request(f"q{i}", engine.encode(p.prompt), cache_mode=CacheMode.DUAL)
+                  for i, p in enumerate(problems)]
+        _run_staggered(engine, states, [0.9] * len(states), join_every=1)
+        canvases[graphs] = [(s.canvas, s.num_steps) for s in states]
+        graph_steps = max(graph_steps, engine.runner.num_graph_steps)
+    assert graph_steps > 0
+    assert canvases[True] == canvases[False]
+
+
+@pytest.mark.parametrize("kernel", GRAPH_KERNELS)
+def test_a_cuda_step_makes_no_hidden_synchronisation(kernel, monkeypatch):
+    loaded = load_model(MODEL_DIR, device="cuda", dtype=torch.float16)
+    _require(kernel, loaded.model.config.head_dim)
+    engine = DLMEngine(loaded.model, loaded.tokenizer, loaded.gen_length, loaded.block_length, attention=kernel.value)
+    problems = TaskGenerator(seed=22).problems(8, max_shots=3, split=Split.HELD_OUT)
+    states = [engine.new_request(f"q{i}", engine.encode(p.prompt), cache_mode=CacheMode.DUAL)
+              for i, p in enumerate(problems)]
+    engine.step([(s, 1.0) for s in states])  # recompute steps (and the graphs captured), outside the check
+    engine.step([(s, 1.0) for s in states])
+    read_back = engine.runner._to_host
+
+    def allowed_read_back(packet):  # the step's one read-back waits on purpose
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            return read_back(packet)
+        finally:
+            torch.cuda.set_sync_debug_mode(2)
+
+    monkeypatch.setattr(engine.runner, "_to_host", allowed_read_back)
+    torch.cuda.set_sync_debug_mode(2)  # any other synchronising call raises
+    try:
+        engine.step([(s, 0.9) for s in states])  # cache steps
+    finally:
+        torch.cuda.set_sync_debug_mode(0)

@@ -56,3 +56,20 @@ def varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, enable_g
         keys, values = key[cu_k[i] : cu_k[i] + used[i]], value[cu_k[i] : cu_k[i] + used[i]]
         out[cu_q[i] : cu_q[i + 1]] = _attend(query[cu_q[i] : cu_q[i + 1]], keys, values)
     return out
+
+
+def varlen_attn_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                     window_size=(-1, -1)):
+    """torch 2.11's varlen_attn: no ``seqused_k`` and no ``enable_gqa``: sequence i's keys are exactly
+    rows cu_seq_k[i]..cu_seq_k[i+1], with as many heads as the queries; a sequence may have no queries."""
+    assert return_aux is None and scale is None and tuple(window_size) == (-1, -1)
+    assert key.shape[1] == query.shape[1], "torch 2.11's varlen_attn has no grouped-query attention"
+    batch = cu_seq_q.numel() - 1
+    cu_q, cu_k = _check_offsets(cu_seq_q, batch), _check_offsets(cu_seq_k, batch)
+    out = torch.empty_like(query)
+    for i in range(batch):
+        assert cu_q[i + 1] - cu_q[i] <= max_q and cu_k[i + 1] - cu_k[i] <= max_k
+        if cu_q[i + 1] > cu_q[i]:
+            out[cu_q[i] : cu_q[i + 1]] = _attend(query[cu_q[i] : cu_q[i + 1]], key[cu_k[i] : cu_k[i + 1]],
+                                                 value[cu_k[i] : cu_k[i + 1]])
+    return out
