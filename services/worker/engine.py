@@ -78,7 +78,7 @@ from services.worker.decoding_rule import DecodingRule, cache_window_start, deco
 from services.worker.kv_cache import KVBudgetExceeded as KVBudgetExceeded  # re-exported: what step raises
 from services.worker.kv_cache import PagedKVCache
 from services.worker.model import DLMForMaskedDiffusion
-from services.worker.runner import ForwardBatch, ModelRunner, SampledRows, StepOutput, TopRows
+from services.worker.runner import GRAPH_BUCKETS, ForwardBatch, ModelRunner, SampledRows, StepOutput, TopRows
 from services.worker.sampling import MAX_TOP_LOGPROBS, SamplingParams, noise_seed
 from shared.generation import Answer, answer_of, canvas_length, stop_length
 from shared.messages.base import CacheMode, StepKind
@@ -390,7 +390,11 @@ class DLMEngine:
         return self.kv_cache.reserved_bytes
 
     def set_kv_budget(self, budget_bytes: int) -> None:
+        """Cap the KV pool; where CUDA graphs run, the pool is allocated to the budget now, so that it
+        never moves under the graphs (a pool that grows is a new tensor: every graph recaptured)."""
         self.kv_cache.set_budget(budget_bytes)
+        if self.runner.graphs_enabled and budget_bytes:
+            self.kv_cache.preallocate()
 
     def kv_memory(self) -> KVMemory:
         """The pool's memory (plain counter reads: safe from another thread while a step runs)."""
@@ -676,10 +680,19 @@ class DLMEngine:
         """Answer text (``shared.tokenizer.answer_text``, as the gateway decodes: special tokens dropped)."""
         return answer_text(self.tokenizer, ids, self.mask_id) if self.tokenizer is not None else " ".join(map(str, ids))
 
-    def warm_up(self) -> None:
+    def warm_up(self, max_batch: int = GRAPH_BUCKETS[-1]) -> int:
         """Run one short request through a full step and a cache step and forget it, so that the first
         request served does not pay for lazy initialisation (kernels chosen, tables built, memory
-        allocated). Workers call it before they announce themselves ready."""
+        allocated); where CUDA graphs run, capture the dual-cache step of the default block length for
+        every batch bucket up to ``max_batch``. Workers call it before they announce themselves ready.
+        Returns the number of graphs held."""
+        self.warm_steps()
+        block = self.default_block_length
+        window = block + (self.shift if self.rule is DecodingRule.LLADA else 0)  # a dual-cache step's rows
+        return self.runner.capture(window, block, max_batch)
+
+    def warm_steps(self) -> None:
+        """One short request through a full step and a cache step, forgotten (any engine with ``step``)."""
         prompt = [self.eos_id if self.eos_id != self.mask_id else 0] * 4
         block = min(self.default_block_length, 4)
         state = self.new_request("warm-up", prompt, block, block, CacheMode.DUAL, ignore_eos=True)

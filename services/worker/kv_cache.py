@@ -184,6 +184,11 @@ class PagedKVCache:
         if self.max_pages == 0:
             raise ValueError(f"a KV budget of {budget_bytes} bytes holds no page ({self.page_bytes} bytes each)")
 
+    def preallocate(self) -> None:
+        """Allocate the pool to its whole budget now (it then never grows, nor moves, while requests fit)."""
+        if self.max_pages is not None and self.num_pages < self.max_pages:
+            self._grow(self.max_pages - self.num_pages)
+
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
 

@@ -470,7 +470,12 @@ class TensorParallelEngine:
 
     # These only call step/new_request/encode/decode, so DLMEngine's own versions run on all ranks here.
     run_to_completion = DLMEngine.run_to_completion
-    warm_up = DLMEngine.warm_up
+    warm_steps = DLMEngine.warm_steps
+
+    def warm_up(self, max_batch: int = 0) -> int:
+        """One short request through every rank; no CUDA graphs (a shard all-reduces between layers)."""
+        self.warm_steps()
+        return 0
     generate = DLMEngine.generate
     stops_at_eos = DLMEngine.stops_at_eos
     answer = DLMEngine.answer

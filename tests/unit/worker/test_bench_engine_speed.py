@@ -15,7 +15,8 @@ def test_speed_bench_reports_tokens_per_s_and_kv_bytes(tmp_path, capsys):
     assert engine.main(argv) == 0
     figures = json.loads(out.read_text())
     assert json.loads(capsys.readouterr().out) == figures
-    assert set(figures["tokens_per_s_by_batch"]) == {"engine", "no_cache_loop"}  # engine_sdpa only on CUDA
+    assert set(figures["tokens_per_s_by_batch"]) == {"engine", "no_cache_loop"}  # engine_eager only on CUDA
+    assert figures["lm_head_scale"] == 1.0 and "floor_ms_by_batch" not in figures  # both off by default here
     assert all(set(by_batch) == {"1", "3"} and min(by_batch.values()) > 0
                for by_batch in figures["tokens_per_s_by_batch"].values())
     assert figures["attention_backend"] == {"engine": "sdpa"}
@@ -29,3 +30,18 @@ def test_speed_bench_reports_tokens_per_s_and_kv_bytes(tmp_path, capsys):
     loaded = LatencyProfile.load(profile)
     assert loaded.measured and loaded.model == "llada-tiny" and loaded.context_tokens == 16 + 32
     assert set(json.loads(profile.read_text())["tp"]["1"]) == {"recompute_ms", "cache_ms", "full_ms"}
+
+
+def test_the_floor_and_the_calibrated_head_are_reported(tmp_path):
+    out = tmp_path / "speed.json"
+    argv = ["--arch", "llada-tiny", "--device", "cpu", "--gen-length", "32", "--block-length", "8",
+            "--batches", "1,2", "--loop-steps", "2", "--json", str(out), "--tokens-per-step", "3",
+            "--calibration-rounds", "4", "--floor", "--floor-batches", "1,2", "--floor-repeats", "2",
+            "--profile-repeats", "1"]
+    assert engine.main(argv) == 0
+    figures = json.loads(out.read_text())
+    assert figures["lm_head_scale"] > 1.0  # random weights commit one token per step; the head was scaled
+    assert max(figures["tokens_per_step_by_batch"]["engine"].values()) > 1.0
+    assert set(figures["floor_ms_by_batch"]) == set(figures["engine_cache_step_ms_by_batch"]) == {"1", "2"}
+    assert not figures["floor_graph"]  # a CPU: the floor ran eagerly
+    assert all(ratio > 0 for ratio in figures["engine_over_floor"].values())
