@@ -37,6 +37,7 @@ Backends (all compute the same thing; only the kernel and its metadata differ):
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -48,6 +49,8 @@ import torch
 import torch.nn.functional as F
 
 from services.worker.kv_cache import PagedKVCache
+
+logger = logging.getLogger(__name__)
 
 FLASH_PAGE_SIZE = 256  # flash-attn 2's paged kernel needs pages of a multiple of 256 slots
 
@@ -122,13 +125,16 @@ def backend_runs(backend: AttentionBackend, device: torch.device, dtype: torch.d
 def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype, head_dim: int,
                     gqa: bool = False) -> AttentionBackend:
     """``auto``: flash-attn where it runs (CUDA, fp16/bf16, installed), else PyTorch's varlen op, else
-    flex_attention on CUDA, else SDPA."""
+    flex_attention on CUDA, else SDPA; on CUDA each kernel must also pass ``kernel_self_test`` (a
+    torch whose op lacks what the engine calls, or routes it to a backend that refuses it, falls
+    through to the next instead of failing the first step)."""
     if requested == "auto":
         order = [AttentionBackend.FLASH, AttentionBackend.TORCH_VARLEN]
         if device.type == "cuda":
             order.append(AttentionBackend.FLEX)
         order.append(AttentionBackend.SDPA)
-        return next(b for b in order if backend_runs(b, device, dtype, head_dim, gqa))
+        return next(b for b in order if backend_runs(b, device, dtype, head_dim, gqa)
+                    and (device.type != "cuda" or kernel_self_test(b, device, dtype, head_dim, gqa)))
     backend = AttentionBackend(requested)
     if not backend_runs(backend, device, dtype, head_dim, gqa):
         raise ValueError(f"attention {backend.value} cannot run here (device {device}, dtype {dtype}, "
@@ -136,6 +142,48 @@ def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype, he
                          f"{flash_attn_importable()}, torch varlen op: {torch_varlen_attn() is not None} "
                          f"{sorted(varlen_features())})")
     return backend
+
+
+@cache
+def kernel_self_test(backend: AttentionBackend, device: torch.device, dtype: torch.dtype, head_dim: int,
+                     gqa: bool = False) -> bool:
+    """Whether ``backend`` computes what SDPA computes here, called as the engine calls it: fresh rows
+    of three requests, then keys read in place from a pool with other slots between them. False when
+    it raises (logged) or differs beyond the dtype's rounding."""
+    heads, kv_heads = 4, 2 if gqa else 4
+    lengths = (3, 17, 40)
+    generator = torch.Generator(device="cpu").manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator).to(device=device, dtype=dtype)
+
+    page = FLASH_PAGE_SIZE if backend is AttentionBackend.FLASH else 16
+    cache = PagedKVCache(1, kv_heads, head_dim, dtype, device, page_size=page)
+    extents = []
+    for i, n in enumerate((50, 30, 60)):
+        extents.append(cache.reserve(f"r{i}", n))
+        cache.reserve(f"gap{i}", 20)  # other slots between the requests' extents
+    cache.pool.copy_(randn(*cache.pool.shape))
+    q, k, v = randn(sum(lengths), heads, head_dim), randn(sum(lengths), kv_heads, head_dim), randn(
+        sum(lengths), kv_heads, head_dim)
+    layouts = [StepLayout(lengths, KeyLayout.FRESH),
+               StepLayout(lengths, KeyLayout.POOL, tuple(e.first_slot(page) for e in extents),
+                          tuple(e.num_tokens for e in extents))]
+    tolerance = 2e-2 if dtype in (torch.float16, torch.bfloat16) else 1e-4
+    try:
+        for layout in layouts:
+            outputs = []
+            for kind in (backend, AttentionBackend.SDPA):
+                step = StepAttention(kind, layout, cache)
+                step.bind({name: torch.from_numpy(a).to(device) for name, a in step.host_arrays().items()}, device)
+                outputs.append(step(0, q, k, v).float())
+            if not torch.allclose(outputs[0], outputs[1], atol=tolerance, rtol=tolerance):
+                logger.warning("attention %s differs from SDPA here (%s): not used", backend.value, layout.keys.value)
+                return False
+    except Exception as exc:  # noqa: BLE001 (any failure means: do not use this kernel here)
+        logger.warning("attention %s fails here (%s: %s): not used", backend.value, type(exc).__name__, exc)
+        return False
+    return True
 
 
 # --- the step's layout ----------------------------------------------------------------------------

@@ -171,3 +171,35 @@ def test_graphs_are_off_on_a_cpu_and_for_sdpa():
     engine = DLMEngine(tiny_model(), stop_at_eos=False)
     assert not engine.runner.graphs_enabled
     assert DLMEngine(tiny_model(), cuda_graphs=True).runner.graphs_enabled is False  # no CUDA here
+
+
+@pytest.mark.parametrize(("backend", "signature"), [(AttentionBackend.TORCH_VARLEN, "2.13"),
+                                                    (AttentionBackend.TORCH_VARLEN, "2.11"),
+                                                    (AttentionBackend.FLASH, "2.13")])
+def test_a_kernel_is_used_only_where_it_computes_what_sdpa_computes(kernel_counter, monkeypatch, backend, signature):
+    cpu, f32 = torch.device("cpu"), torch.float32
+    attention.kernel_self_test.cache_clear()
+    kernel_counter(backend, signature)
+    assert attention.kernel_self_test(backend, cpu, f32, 16, gqa=False)
+    if signature == "2.13":
+        assert attention.kernel_self_test(backend, cpu, f32, 16, gqa=True)
+
+    def refuses(*args, **kwargs):  # e.g. a torch that routes the op to a backend without seqused_k
+        raise RuntimeError("seqused_k/block_table is not yet supported with the cuDNN backend.")
+
+    attention.kernel_self_test.cache_clear()
+    if backend is AttentionBackend.FLASH:
+        sys.modules["flash_attn"].flash_attn_varlen_func = refuses
+    else:
+        monkeypatch.setattr(attention, "torch_varlen_attn", lambda: refuses)
+    assert not attention.kernel_self_test(backend, cpu, f32, 16)
+
+    attention.kernel_self_test.cache_clear()
+    wrong = varlen_emulation.varlen_attn if backend is AttentionBackend.TORCH_VARLEN else \
+        varlen_emulation.flash_attn_varlen_func
+    if backend is AttentionBackend.FLASH:
+        sys.modules["flash_attn"].flash_attn_varlen_func = lambda *a, **k: wrong(*a, **k) * 1.5
+    else:
+        monkeypatch.setattr(attention, "torch_varlen_attn", lambda: lambda *a, **k: wrong(*a, **k) * 1.5)
+    assert not attention.kernel_self_test(backend, cpu, f32, 16)
+    attention.kernel_self_test.cache_clear()
