@@ -69,18 +69,14 @@ def above_capacity(runs: dict) -> str:
         data = runs.get(name)
         if not data:
             continue
-        for d in data["policies"]["dilaserve"]["points"]:
-            others = [_point(data, b, d["label"]) for b in BASELINES]
-            if any(o is None for o in others):
-                continue
-            trio = (d, *others)
+        for d, trio in _trios(data):
             out.append(
                 f"| {short} | {d['label']} | {d['rps']:.2f} | {d['num_requests']} | "
                 + " / ".join(f"{100 * p['slo_attainment']:.1f}" for p in trio) + " | "
                 + " / ".join(f"{p['mean_latency_s']:.2f}" for p in trio) + " | "
                 + " / ".join(f"{p['p99_latency_s']:.2f}" for p in trio) + " | "
                 + " / ".join(f"{100 * p['accuracy']:.1f}" for p in trio) + f" | {_moves(d)} | "
-                + " | ".join(_lead(d, o) for o in others) + " |")
+                + " | ".join(_lead(d, o) for o in trio[1:]) + " |")
     azure = runs.get("paper-trace-azure-quick")
     top = azure and _point(azure, "dilaserve", "1.5x")
     if top:
@@ -461,6 +457,15 @@ def _profile_label(data: dict) -> str:
     return f"`{profile['path']}` ({'measured' if profile['measured'] else 'modelled'}{derived})"
 
 
+def _trios(data: dict):
+    """Each DiLaServe point with its trio (DiLaServe, INFaaS, Llumnix) at that label; labels a baseline
+    lacks are skipped."""
+    for d in data["policies"]["dilaserve"]["points"]:
+        others = [_point(data, b, d["label"]) for b in BASELINES]
+        if all(o is not None for o in others):
+            yield d, (d, *others)
+
+
 def _ahead_at(data: dict, label: str) -> tuple[bool, str]:
     """Whether DiLaServe's SLO attainment is above both baselines' at ``label``, and by how much."""
     d = _point(data, "dilaserve", label)
@@ -498,17 +503,13 @@ def measured_headlines(load_run) -> str:
     for _, what, top, modelled, measured in pairs:
         for data in (modelled, measured):
             setup = data["setup"]
-            for d in data["policies"]["dilaserve"]["points"]:
-                others = [_point(data, b, d["label"]) for b in BASELINES]
-                if any(o is None for o in others):
-                    continue
-                trio = (d, *others)
+            for d, trio in _trios(data):
                 out.append(
                     f"| {what} | {_profile_label(data)} | {setup['slo_s']:.2f} | {setup['nominal_capacity_rps']:.1f} | "
                     f"{d['label']} | {d['rps']:.2f} | " + " / ".join(f"{100 * p['slo_attainment']:.1f}" for p in trio)
                     + " | " + " / ".join(f"{100 * p['accuracy']:.1f}" for p in trio)
                     + f" | {d.get('mean_threshold', float('nan')):.3f} | "
-                    + " / ".join(_pp(d, o) for o in others) + " |")
+                    + " / ".join(_pp(d, o) for o in trio[1:]) + " |")
         cells = []
         for data, which in ((modelled, "modelled"), (measured, "measured")):
             ahead, by = _ahead_at(data, top)
