@@ -525,60 +525,64 @@ class DLMEngine:
         ids = np.fromiter((t for it in items for t in it.fresh_ids), dtype=np.int64, count=total)
         first = np.repeat(np.array([it.fresh_start for it in items], dtype=np.int64) - q_starts, q_lengths)
         positions = np.arange(total, dtype=np.int64) + first
-        extents = [self.kv_cache.extent(it.extent_key or it.state.request_id)
-                   if keys is KeyLayout.POOL or it.num_stored else None for it in items]
-        page = self.kv_cache.page_size
-        if keys is KeyLayout.POOL:
-            layout = StepLayout(tuple(q_lengths), keys, tuple(e.first_slot(page) for e in extents),
-                                tuple(it.sequence_length for it in items))
-            write_slots = positions + np.repeat([e.first_slot(page) for e in extents], q_lengths)
-            write_rows = None
-        else:
-            layout = StepLayout(tuple(q_lengths), keys)
-            stored = [(int(q), e.first_slot(page), it.num_stored) for it, q, e in zip(items, q_starts, extents,
-                                                                                      strict=True) if it.num_stored]
-            write_rows = np.concatenate([np.arange(q, q + n) for q, _, n in stored]) if stored else None
-            write_slots = np.concatenate([np.arange(s, s + n) for _, s, n in stored]) if stored else None
-            if write_rows is not None and len(write_rows) == total:
-                write_rows = None  # every row, in order
+        layout, write_slots, write_rows = self._keys_and_writes(items, keys, q_lengths, q_starts, positions)
         block_sizes = [it.block_size for it in items]
         block_rows = np.concatenate([np.maximum(np.arange(q + it.logit_start, q + it.logit_start + n), q)
                                      for it, q, n in zip(items, q_starts, block_sizes, strict=True)])
         lookahead = [np.arange(q + it.logit_start + n, q + it.logit_start + n + it.num_lookahead)
                      for it, q, n in zip(items, q_starts, block_sizes, strict=True) if it.num_lookahead]
-        num_block_rows = int(sum(block_sizes))
-        eligible = np.fromiter((t == self.mask_id for it in items for t in it.block_tokens), dtype=bool,
-                               count=num_block_rows)
-        if self.rule is DecodingRule.DREAM:  # a block's first forward commits the block's first position alone
-            for start, it in zip(np.concatenate(([0], np.cumsum(block_sizes)[:-1])).tolist(), items, strict=True):
-                if eligible[start]:
-                    eligible[start + 1 : start + it.block_size] = False
-        thresholds = np.repeat(np.array([it.threshold for it in items], dtype=np.float64), block_sizes)
-        row_starts = np.concatenate(([0], np.cumsum(block_sizes)[:-1]))
-        width = max(block_sizes)
-        grid = np.full((len(items), width), num_block_rows, dtype=np.int64)
-        for i, (start, n) in enumerate(zip(row_starts.tolist(), block_sizes, strict=True)):
-            grid[i, :n] = np.arange(start, start + n)
-        sampled, top = [], []
-        for it, start, n in zip(items, row_starts.tolist(), block_sizes, strict=True):
-            state = it.state
-            if not state.sampling.greedy:
-                seed = noise_seed(state.sampling.seed, state.request_id, state.num_steps)
-                sampled.append(SampledRows(start, start + n, state.sampling, seed))
-            if state.num_top_logprobs:
-                top.append(TopRows(start, start + n, state.num_top_logprobs))
+        eligible, thresholds, grid, sampled, top = self._commit_inputs(items, block_sizes)
         graphable = (keys is KeyLayout.POOL and all(it.kind is StepKind.CACHE and it.state.cache_mode is CacheMode.DUAL
                                                     for it in items)
                      and len(set(q_lengths)) == 1 and len(set(block_sizes)) == 1)
         return ForwardBatch(
             ids=ids, positions=positions, layout=layout,
-            logit_rows=np.concatenate([block_rows, *lookahead]), num_block_rows=num_block_rows,
+            logit_rows=np.concatenate([block_rows, *lookahead]), num_block_rows=int(sum(block_sizes)),
             eligible=eligible, thresholds=thresholds, grid=grid,
             max_position=int(max(it.fresh_start + len(it.fresh_ids) for it in items)) - 1,
             write_slots=write_slots, write_rows=write_rows, sampled=sampled, top=top,
             graph_window=q_lengths[0] if graphable else 0, block_length=block_sizes[0] if graphable else 0,
             inclusive=self.rule is DecodingRule.DREAM,
         )
+
+    def _keys_and_writes(self, items: list[_Item], keys: KeyLayout, q_lengths: list[int], q_starts: np.ndarray,
+                         positions: np.ndarray):
+        """Where each item's keys are (the layout) and which fresh rows go to which slots (None: every
+        row, or no slots: nothing stored)."""
+        page = self.kv_cache.page_size
+        if keys is KeyLayout.POOL:  # every row to its position's slot; keys read from each extent
+            firsts = [self.kv_cache.extent(it.extent_key or it.state.request_id).first_slot(page) for it in items]
+            layout = StepLayout(tuple(q_lengths), keys, tuple(firsts), tuple(it.sequence_length for it in items))
+            return layout, positions + np.repeat(firsts, q_lengths), None
+        stored = [(int(q), self.kv_cache.extent(it.state.request_id).first_slot(page), it.num_stored)
+                  for it, q in zip(items, q_starts, strict=True) if it.num_stored]
+        if not stored:
+            return StepLayout(tuple(q_lengths), keys), None, None
+        rows = np.concatenate([np.arange(q, q + n) for q, _, n in stored])
+        slots = np.concatenate([np.arange(s, s + n) for _, s, n in stored])
+        return StepLayout(tuple(q_lengths), keys), slots, None if len(rows) == sum(q_lengths) else rows
+
+    def _commit_inputs(self, items: list[_Item], block_sizes: list[int]):
+        """What the commit rule reads: which block rows may commit (still masked; Dream's rule: only a
+        block's first position at the block's first forward), each row's threshold, each item's rows
+        (``grid``), and the items that draw or want their top candidates."""
+        num_rows = int(sum(block_sizes))
+        row_starts = np.concatenate(([0], np.cumsum(block_sizes)[:-1])).tolist()
+        eligible = np.fromiter((t == self.mask_id for it in items for t in it.block_tokens), dtype=bool, count=num_rows)
+        thresholds = np.repeat(np.array([it.threshold for it in items], dtype=np.float64), block_sizes)
+        grid = np.full((len(items), max(block_sizes)), num_rows, dtype=np.int64)
+        sampled, top = [], []
+        for i, (it, start, n) in enumerate(zip(items, row_starts, block_sizes, strict=True)):
+            grid[i, :n] = np.arange(start, start + n)
+            if self.rule is DecodingRule.DREAM and eligible[start]:
+                eligible[start + 1 : start + n] = False
+            state = it.state
+            if not state.sampling.greedy:
+                seed = noise_seed(state.sampling.seed, state.request_id, state.num_steps)
+                sampled.append(SampledRows(start, start + n, state.sampling, seed))
+            if state.num_top_logprobs:
+                top.append(TopRows(start, start + n, state.num_top_logprobs))
+        return eligible, thresholds, grid, sampled, top
 
     def _note_traffic(self, items: list[_Item], keys: KeyLayout, copied: int) -> None:
         """``last_step_traffic``: per step kind, the cache bytes its requests stored and the bytes the

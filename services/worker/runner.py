@@ -168,10 +168,8 @@ class ModelRunner:
 
     def _eager(self, batch: ForwardBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         attention = StepAttention(self.attention, batch.layout, self.kv_cache)
-        arrays = _step_arrays(batch)
-        attention_arrays = attention.host_arrays()
-        device_arrays = _unpack(self._to_device(_pack(arrays | {f"attn.{k}": v for k, v in attention_arrays.items()})),
-                                arrays | {f"attn.{k}": v for k, v in attention_arrays.items()})
+        arrays = _step_arrays(batch) | {f"attn.{k}": v for k, v in attention.host_arrays().items()}
+        device_arrays = _unpack(self._to_device(_pack(arrays)), arrays)
         attention.bind({k[5:]: v for k, v in device_arrays.items() if k.startswith("attn.")}, self.device)
         attention.store = self._store(device_arrays)
         logits = self.model.forward_packed(device_arrays["ids"], device_arrays["positions"], attention,
@@ -280,15 +278,19 @@ def _graphs_possible(model: DLMForMaskedDiffusion, attention: AttentionBackend) 
 
 
 def _step_arrays(batch: ForwardBatch) -> dict[str, np.ndarray]:
-    arrays = {
-        "ids": batch.ids, "positions": batch.positions, "logit_rows": batch.logit_rows,
-        "eligible": batch.eligible.astype(np.int64), "thresholds": batch.thresholds.astype(np.float64).view(np.int64),
-        "grid": batch.grid,
-    }
+    """The forward's inputs and the commit rule's, as the step's one copy carries them."""
+    arrays = {"ids": batch.ids, "positions": batch.positions, "logit_rows": batch.logit_rows}
     if batch.write_slots is not None:
         arrays["write_slots"] = batch.write_slots
         if batch.write_rows is not None:
             arrays["write_rows"] = batch.write_rows
+    return arrays | _commit_arrays(batch)
+
+
+def _commit_arrays(batch: ForwardBatch) -> dict[str, np.ndarray]:
+    """What the commit rule reads on the device (thresholds as the bits of their float64)."""
+    arrays = {"eligible": batch.eligible.astype(np.int64),
+              "thresholds": batch.thresholds.astype(np.float64).view(np.int64), "grid": batch.grid}
     if batch.top:
         arrays["top_rows"] = np.concatenate([np.arange(t.start, t.end) for t in batch.top])
     return arrays
@@ -387,10 +389,7 @@ class _CapturedStep:
         pad_slot = cache.extent(_PAD_KEY).first_slot(cache.page_size)
         padded = _padded(batch, pads, pad_slot)
         inputs = self._host_arrays(runner, padded, runner.model.config.max_sequence_length)
-        commit_inputs = {"eligible": batch.eligible.astype(np.int64),
-                         "thresholds": batch.thresholds.astype(np.float64).view(np.int64), "grid": batch.grid}
-        if batch.top:
-            commit_inputs["top_rows"] = np.concatenate([np.arange(t.start, t.end) for t in batch.top])
+        commit_inputs = _commit_arrays(batch)
         flat = runner._to_device(_pack(inputs | commit_inputs))
         width = self.static.numel()
         self.static.copy_(flat[:width])
