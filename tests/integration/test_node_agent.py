@@ -198,6 +198,17 @@ def stop_agent(agent: subprocess.Popen, log: Path) -> int:
         pytest.fail(f"the agent did not exit on SIGTERM:\n{log.read_text()[-3000:]}")
 
 
+def run_agent(agent: subprocess.Popen, log: Path, main) -> None:
+    """Run ``main(agent, log)`` against the started agent, then stop it (SIGTERM; it must exit 0)."""
+    try:
+        asyncio.run(main(agent, log))
+        assert stop_agent(agent, log) == 0, log.read_text()[-3000:]
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()
+
+
 def plan(plan_id: str, node: str, stop=(), start=(), keep=()) -> bytes:
     def slots(pairs):
         return [InstanceSlot(tp=tp, gpu_ids=list(gpus)) for tp, gpus in pairs]
@@ -254,13 +265,7 @@ def test_boot_plan_restart_and_shutdown(nats_server, unique_prefix, tmp_path):
         await nc.close()
 
     agent, log = start_agent(tmp_path, nats_server.url, unique_prefix, [0, 1, 2, 3], [1, 1])
-    try:
-        asyncio.run(main(agent, log))
-        assert stop_agent(agent, log) == 0, log.read_text()[-3000:]
-    finally:
-        if agent.poll() is None:
-            agent.kill()
-            agent.wait()
+    run_agent(agent, log, main)
     pids = cluster.pids()
     assert len(pids) == 4  # two boot workers, the TP-2 one, the restart
     assert not [pid for pid in pids if alive(pid)], "workers outlived the agent"
@@ -285,13 +290,7 @@ def test_each_worker_is_pinned_to_its_slots_gpus_and_its_engine_places_its_ranks
 
     agent, log = start_agent(tmp_path, nats_server.url, unique_prefix, [0, 1, 2, 3], [1, 1, 2],
                              DLS_WORKER_DEVICE="cuda", FAKE_WORKER_DEVICES_DIR=str(devices))
-    try:
-        asyncio.run(main(agent, log))
-        assert stop_agent(agent, log) == 0, log.read_text()[-3000:]
-    finally:
-        if agent.poll() is None:
-            agent.kill()
-            agent.wait()
+    run_agent(agent, log, main)
     by_gpus = {tuple(cluster.beats[i].gpu_ids): json.loads((devices / f"{i}.json").read_text())
                for i in cluster.ready_ids()}
     assert by_gpus == {
@@ -331,13 +330,7 @@ def test_failed_starts_are_reported_and_stubborn_workers_killed(nats_server, uni
     agent, log = start_agent(tmp_path, nats_server.url, unique_prefix, [0, 1, 2, 3], [1],
                              FAKE_WORKER_FAIL_TP="2", FAKE_WORKER_IGNORE_SIGTERM="1",
                              DLS_NODE_AGENT_STOP_TIMEOUT_S="0.5")
-    try:
-        asyncio.run(main(agent, log))
-        assert stop_agent(agent, log) == 0, log.read_text()[-3000:]
-    finally:
-        if agent.poll() is None:
-            agent.kill()
-            agent.wait()
+    run_agent(agent, log, main)
     assert "killing it" in log.read_text()  # they ignored SIGTERM
     assert not [pid for pid in cluster.pids() if alive(pid)], "workers outlived the agent"
 
@@ -380,13 +373,7 @@ def test_hung_workers_are_killed_and_replaced(nats_server, unique_prefix, tmp_pa
     agent, log = start_agent(tmp_path, nats_server.url, unique_prefix, [0, 1, 2], [1, 1, 1],
                              DLS_NODE_AGENT_HANG_TIMEOUT_S="1.5", FAKE_WORKER_STUCK_GPU="0",
                              FAKE_WORKER_MUTE_SECOND_GPU="0", DLS_NODE_AGENT_START_TIMEOUT_S="3")
-    try:
-        asyncio.run(main(agent, log))
-        assert stop_agent(agent, log) == 0, log.read_text()[-3000:]
-    finally:
-        if agent.poll() is None:
-            agent.kill()
-            agent.wait()
+    run_agent(agent, log, main)
     text = log.read_text()
     assert "is hung (a step computing for" in text and "is hung (no heartbeat for" in text, text[-3000:]
     assert "is hung (not READY " in text, text[-3000:]

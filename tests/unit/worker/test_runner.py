@@ -167,7 +167,7 @@ def test_bucketed_static_steps_decode_the_reference_tokens(kernel_counter, backe
         assert state.canvas == ref.tokens
 
 
-def test_graphs_are_off_on_a_cpu_and_for_sdpa():
+def test_graphs_are_off_on_a_cpu_even_when_asked_for():
     engine = DLMEngine(tiny_model(), stop_at_eos=False)
     assert not engine.runner.graphs_enabled
     assert DLMEngine(tiny_model(), cuda_graphs=True).runner.graphs_enabled is False  # no CUDA here
