@@ -317,8 +317,10 @@ def test_a_stream_queued_longer_than_the_clients_read_timeout_gets_its_answer(st
     problem = problems[Family.ADD][0]
     expected = sdk.completions.create(model=MODEL, prompt=problem.prompt).choices[0].text
     _wait_idle(metrics)
+    # The SDK's own Timeout: it names whichever HTTP library this release of the SDK is built on
+    # (httpx in 1.x, httpx2 in 3.x), and a Timeout of another library is refused.
     strict = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0,
-                           timeout=httpx.Timeout(120.0, read=3.0))
+                           timeout=openai.Timeout(120.0, read=3.0))
     pids = _worker_pids(stack_pid)
     for pid in pids:
         os.kill(pid, signal.SIGSTOP)
