@@ -331,6 +331,7 @@ class _CapturedStep:
         self.names: dict[str, np.ndarray] = {}  # name -> a host array of its shape (the packing template)
         self.logits: torch.Tensor | None = None
         self.attention: StepAttention | None = None
+        self.bytes_per_replay = 0  # KV bytes a replay stores (the pool's counter does not see a replay)
 
     @classmethod
     def capture(cls, runner: ModelRunner, bucket: int, window: int, block: int) -> _CapturedStep:
@@ -369,8 +370,11 @@ class _CapturedStep:
         if runner._graph_pool is None:
             runner._graph_pool = torch.cuda.graph_pool_handle()
         step.graph = torch.cuda.CUDAGraph()
+        written = cache.bytes_written
         with torch.cuda.graph(step.graph, pool=runner._graph_pool):
             step.logits = forward()
+        step.bytes_per_replay = cache.bytes_written - written
+        cache.bytes_written = written  # capturing stores nothing
         logger.info("captured a CUDA graph: batch %d, window %d", bucket, window)
         return step
 
@@ -395,6 +399,7 @@ class _CapturedStep:
         self.static.copy_(flat[:width])
         if self.graph is not None:
             self.graph.replay()
+            cache.bytes_written += self.bytes_per_replay  # padding rows' stores too: they are written
         else:
             self.logits = self.forward()
         commit_views = _unpack(flat[width:], commit_inputs)

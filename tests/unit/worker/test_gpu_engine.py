@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from services.worker.attention import AttentionBackend, KeyLayout, StepAttention, StepLayout, backend_runs
-from services.worker.engine import CacheMode, DLMEngine
+from services.worker.engine import CacheMode, DLMEngine, StepKind
 from services.worker.kv_cache import PagedKVCache
 from services.worker.loading import load_model
 from services.worker.reference import reference_generate
@@ -142,6 +142,23 @@ def test_steps_replayed_from_cuda_graphs_commit_the_eager_tokens(kernel):
         graph_steps = max(graph_steps, engine.runner.num_graph_steps)
     assert graph_steps > 0
     assert canvases[True] == canvases[False]
+
+
+@pytest.mark.parametrize("kernel", GRAPH_KERNELS)
+def test_a_replayed_step_counts_the_keys_it_stores(kernel):
+    """The pool's ``bytes_written`` is counted in Python, which a replay does not run: the runner adds
+    what the captured step stores, so a replayed step counts what its plan says it wrote."""
+    loaded = load_model(MODEL_DIR, device="cuda", dtype=torch.float16)
+    _require(kernel, loaded.model.config.head_dim)
+    engine = DLMEngine(loaded.model, loaded.tokenizer, loaded.gen_length, loaded.block_length,
+                       attention=kernel.value, cuda_graphs=True)
+    problem = TaskGenerator(seed=23).problems(1, max_shots=3, split=Split.HELD_OUT)[0]
+    state = engine.new_request("q", engine.encode(problem.prompt), cache_mode=CacheMode.DUAL)
+    engine.step([(state, 1.0)])  # the block's first step: a recompute, run eagerly
+    before = engine.kv_cache.bytes_written
+    engine.step([(state, 1.0)])  # one token a step: the block is not done, a cache step follows
+    assert engine.runner.last_step_graph
+    assert engine.kv_cache.bytes_written - before == engine.last_step_traffic[StepKind.CACHE].written > 0
 
 
 @pytest.mark.parametrize("kernel", GRAPH_KERNELS)

@@ -167,6 +167,20 @@ def test_bucketed_static_steps_decode_the_reference_tokens(kernel_counter, backe
         assert state.canvas == ref.tokens
 
 
+def test_the_pools_byte_counter_agrees_with_the_steps_plan():
+    """What the pool counts as stored equals what the engine's plan says each step stored, step after
+    step, for recompute and cache steps alike (a replayed CUDA graph adds its share:
+    ``test_gpu_engine.py::test_a_replayed_step_counts_the_keys_it_stores``)."""
+    engine = DLMEngine(tiny_model(**MODELS["llada"]), stop_at_eos=False, kv_page_size=4)
+    states = [engine.new_request(f"r{i}", p, g, b, mode) for i, (p, g, b, _, mode)
+              in enumerate(_mixed_specs(seed=5, count=6, modes=[CacheMode.PREFIX, CacheMode.DUAL]))]
+    while not all(s.finished for s in states):
+        before = engine.kv_cache.bytes_written
+        engine.step([(s, 0.6) for s in states if not s.finished])
+        planned = sum(traffic.written for traffic in engine.last_step_traffic.values())
+        assert engine.kv_cache.bytes_written - before == planned
+
+
 def test_graphs_are_off_on_a_cpu_even_when_asked_for():
     engine = DLMEngine(tiny_model(), stop_at_eos=False)
     assert not engine.runner.graphs_enabled
