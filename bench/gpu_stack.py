@@ -101,9 +101,7 @@ METRICS_PORTS = 16  # dls up's services, then the node agent's workers (agent po
 
 def free_ports() -> tuple[int, int, int, int]:
     """(gateway, NATS, Redis, a metrics base with ``METRICS_PORTS`` free ports from it), all free now."""
-    import socket
-
-    from shared.runtime import free_port
+    from shared.runtime import free_port, free_port_range
 
     taken = set()
 
@@ -114,18 +112,7 @@ def free_ports() -> tuple[int, int, int, int]:
         return port
 
     gateway, nats, redis = fresh(), fresh(), fresh()
-    for _ in range(200):
-        base = free_port()
-        if base + METRICS_PORTS > 65000 or taken & set(range(base, base + METRICS_PORTS)):
-            continue
-        try:
-            for port in range(base, base + METRICS_PORTS):
-                with socket.socket() as probe:
-                    probe.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return gateway, nats, redis, base
-    raise RuntimeError(f"no {METRICS_PORTS} free ports in a row")
+    return gateway, nats, redis, free_port_range(METRICS_PORTS, avoid=taken)
 
 
 def node_agent_metrics_url(metrics_base: int) -> str:

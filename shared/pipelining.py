@@ -36,7 +36,6 @@ import msgspec
 
 from shared.messages.steps import StepCommand
 
-
 # how many more steps a held command may run by itself (``StepCommand.repeats``): a worker that steps
 # faster than the scheduler answers goes on at the thresholds it has, up to this many steps behind the
 # policy, instead of waiting (``StepConfig.held_repeats``, ``DLS_SCHEDULER_HELD_REPEATS``)

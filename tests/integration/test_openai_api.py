@@ -23,7 +23,6 @@ import json
 import os
 import re
 import signal
-import socket
 import threading
 import time
 from pathlib import Path
@@ -32,7 +31,7 @@ import httpx
 import openai  # a dev dependency (pyproject.toml)
 import pytest
 
-from shared.runtime import free_port
+from shared.runtime import free_port_range
 from shared.tasks import Family, Split, TaskGenerator, check_answer
 from tests.integration.conftest import dls_up
 
@@ -42,26 +41,10 @@ MODEL = "dls-tiny"
 NUM_METRICS_PORTS = 8  # scheduler, predictor, reconfigurator, node agent, then the workers' (dls up's layout)
 
 
-def _free_range(size: int) -> int:
-    """A base port with ``size`` free ports from it."""
-    for _ in range(200):
-        base = free_port()
-        if base + size > 65000:
-            continue
-        try:
-            for port in range(base, base + size):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError("no free port range")
-
-
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     """``dls up`` on free ports; yields (gateway URL, metrics base port, its pid)."""
-    metrics = _free_range(NUM_METRICS_PORTS)
+    metrics = free_port_range(NUM_METRICS_PORTS)
     env = {"DLS_METRICS_PORT": str(metrics),
            "DLS_WORKER_LEASE_TTL_S": "20",  # the retry and queue tests pause the workers for a few seconds
            "DLS_GATEWAY_SSE_KEEPALIVE_S": "1"}  # so every stream here may carry keep-alives

@@ -1,3 +1,5 @@
+import random
+
 import pytest
 import torch
 
@@ -22,3 +24,22 @@ def tiny_model(seed: int = 0, logits_shift: int = 0, n_kv_heads: int | None = No
 @pytest.fixture
 def model():
     return tiny_model()
+
+
+def random_specs(seed: int, count: int, *, prompt_lengths=(1, 40), first_threshold: float | None = None,
+                 modes=None) -> list[tuple]:
+    """Random requests for token-for-token tests: (prompt ids, gen length, block length, threshold), and
+    the cache mode when ``modes`` is given (taken in turn). Prompt and canvas lengths are mixed and
+    blocks ragged; ``first_threshold`` fixes the first request's threshold."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(count):
+        prompt = [rng.randrange(3, 24) for _ in range(rng.randint(*prompt_lengths))]
+        block = rng.choice([4, 8])
+        gen = block * rng.randint(1, 3) + rng.choice([0, 0, 3])
+        if i == 0 and first_threshold is not None:
+            threshold = first_threshold
+        else:
+            threshold = rng.choice([0.3, 0.6, 0.9, 0.99])
+        out.append((prompt, gen, block, threshold) + ((modes[i % len(modes)],) if modes else ()))
+    return out

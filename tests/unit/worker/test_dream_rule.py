@@ -8,7 +8,6 @@ What the rule is: ``services/worker/decoding_rule.py``; the engine applies it in
 windows from the block) and in the commit rule on the device (``eligible``, ``inclusive``).
 """
 
-import random
 
 import pytest
 
@@ -18,7 +17,7 @@ from services.worker.loading import load_model
 from services.worker.reference import reference_generate
 from tests.dream_checkpoint import write_dream_weights
 
-from .conftest import tiny_model
+from .conftest import random_specs, tiny_model
 
 MODES = [CacheMode.NONE, CacheMode.PREFIX, CacheMode.DUAL]
 
@@ -33,16 +32,9 @@ def dream_model(tmp_path_factory):
 
 
 def _specs(seed: int, count: int) -> list[tuple[list[int], int, int, float]]:
-    """(prompt ids, gen length, block length, threshold); the first at threshold 0, where the rules
-    differ most (the LLaDA rule commits a whole block at its first forward, the Dream rule one position)."""
-    rng = random.Random(seed)
-    out = []
-    for i in range(count):
-        prompt = [rng.randrange(3, 24) for _ in range(rng.randint(1, 30))]
-        block = rng.choice([4, 8])
-        gen = block * rng.randint(1, 3) + rng.choice([0, 0, 3])
-        out.append((prompt, gen, block, 0.0 if i == 0 else rng.choice([0.3, 0.6, 0.9, 0.99])))
-    return out
+    """The first request at threshold 0, where the rules differ most (the LLaDA rule commits a whole
+    block at its first forward, the Dream rule one position)."""
+    return random_specs(seed, count, prompt_lengths=(1, 30), first_threshold=0.0)
 
 
 def _check(model, state, spec, mode) -> None:

@@ -1,6 +1,5 @@
 """The packed engine (no padding, KV cache read in place) against the padded reference, token for token."""
 
-import random
 import sys
 import types
 
@@ -14,7 +13,7 @@ from services.worker.kv_cache import PagedKVCache
 from services.worker.reference import reference_generate
 
 from . import varlen_emulation
-from .conftest import tiny_model
+from .conftest import random_specs, tiny_model
 
 MODES = [CacheMode.NONE, CacheMode.PREFIX, CacheMode.DUAL]
 MODELS = {
@@ -24,15 +23,7 @@ MODELS = {
 
 
 def _specs(seed: int, count: int):
-    """(prompt ids, gen length, block length, threshold): mixed prompt and canvas lengths, ragged blocks."""
-    rng = random.Random(seed)
-    out = []
-    for _ in range(count):
-        prompt = [rng.randrange(3, 24) for _ in range(rng.randint(1, 40))]
-        block = rng.choice([4, 8])
-        gen = block * rng.randint(1, 3) + rng.choice([0, 0, 3])
-        out.append((prompt, gen, block, rng.choice([0.3, 0.6, 0.9, 0.99])))
-    return out
+    return random_specs(seed, count)
 
 
 def _run_staggered(engine: DLMEngine, states, thresholds, join_every: int = 2):

@@ -16,22 +16,15 @@ from services.worker.reference import reference_generate
 from services.worker.sampling import SamplingParams
 
 from . import varlen_emulation
-from .conftest import tiny_model
+from .conftest import random_specs, tiny_model
 from .test_packed import MODELS
 
 MODES = [CacheMode.NONE, CacheMode.PREFIX, CacheMode.DUAL]
 
 
 def _mixed_specs(seed: int, count: int, modes=MODES):
-    """(prompt, gen, block, threshold, cache mode): lengths, blocks and cache modes mixed in one batch."""
-    rng = random.Random(seed)
-    out = []
-    for i in range(count):
-        prompt = [rng.randrange(3, 24) for _ in range(rng.randint(2, 30))]
-        block = rng.choice([4, 8])
-        gen = block * rng.randint(1, 3) + rng.choice([0, 0, 3])
-        out.append((prompt, gen, block, rng.choice([0.3, 0.6, 0.9, 0.99]), modes[i % len(modes)]))
-    return out
+    """Lengths, blocks and cache modes mixed in one batch."""
+    return random_specs(seed, count, prompt_lengths=(2, 30), modes=modes)
 
 
 class _Counter:
