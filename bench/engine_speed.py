@@ -42,6 +42,10 @@ Figures:
   the engine's own counters; ``kv_bytes_by_batch`` has every batch, and ``gathered_before``: what the
   engine's earlier gather of every request's context into a padded buffer copied for the same
   steps (computed: context positions times bytes per position).
+* ``engine_bookkeeping_ms_per_step_by_batch``: the engine's own host work per step (planning each
+  request's step, building the step's host arrays, applying the commits to each canvas), timed as
+  ``engine.step`` less the model runner's forward in the same run: the part of a step that a faster
+  device does not shorten.
 * ``--profile PATH``: the engine's step latencies (recompute, cache and no-cache steps, by batch, at
   prompt plus generation tokens of context; ``services/worker/profiling.py``) written as a measured
   latency profile (``profiles/README.md``), which the scheduler and the simulator can load.
@@ -124,6 +128,32 @@ class EngineRun:
     copied: int = 0
     written: int = 0
     gathered_before: int = 0
+    forwards: int = 0  # engine steps (one forward each)
+    bookkeeping_seconds: float = 0.0  # in the engine's step, outside the model runner's forward
+
+
+class _RunnerClock:
+    """Times the model runner's forward (arrays to the device, the forward, the commit rule, the
+    read-back) inside ``engine.step``; the rest of the step is the engine's host bookkeeping."""
+
+    def __init__(self, engine: DLMEngine):
+        self.runner, self.seconds = engine.runner, 0.0
+
+    def __enter__(self):
+        forward = self.runner.forward
+
+        def timed(batch):
+            began = time.perf_counter()
+            try:
+                return forward(batch)
+            finally:
+                self.seconds += time.perf_counter() - began
+
+        self.runner.forward = timed
+        return self
+
+    def __exit__(self, *exc):
+        del self.runner.forward  # the class's method again
 
 
 def run_engine(engine: DLMEngine, prompts, args, tag: str) -> EngineRun:
@@ -135,18 +165,23 @@ def run_engine(engine: DLMEngine, prompts, args, tag: str) -> EngineRun:
     active = [(s, args.threshold) for s in states]
     _sync(args.device)
     began = time.perf_counter()
-    while active:
-        context = sum(_context_length(s, engine) for s, _ in active if engine.next_step_kind(s) is StepKind.CACHE)
-        results = engine.step(active)
-        run.tokens += sum(len(r.committed_positions) for r in results)
-        run.steps += len(results)
-        traffic = engine.last_step_traffic.get(StepKind.CACHE)
-        if traffic is not None:
-            run.cache_forwards += 1
-            run.copied += traffic.copied
-            run.written += traffic.written
-            run.gathered_before += context * per_token
-        active = [(s, t) for s, t in active if not s.finished and engine.current_block(s) < args.blocks]
+    with _RunnerClock(engine) as clock:
+        while active:
+            context = sum(_context_length(s, engine) for s, _ in active
+                          if engine.next_step_kind(s) is StepKind.CACHE)
+            stepped, in_runner = time.perf_counter(), clock.seconds
+            results = engine.step(active)
+            run.bookkeeping_seconds += time.perf_counter() - stepped - (clock.seconds - in_runner)
+            run.forwards += 1
+            run.tokens += sum(len(r.committed_positions) for r in results)
+            run.steps += len(results)
+            traffic = engine.last_step_traffic.get(StepKind.CACHE)
+            if traffic is not None:
+                run.cache_forwards += 1
+                run.copied += traffic.copied
+                run.written += traffic.written
+                run.gathered_before += context * per_token
+            active = [(s, t) for s, t in active if not s.finished and engine.current_block(s) < args.blocks]
     _sync(args.device)
     run.seconds = time.perf_counter() - began
     for s in states:
@@ -218,6 +253,7 @@ def measure(args: argparse.Namespace) -> dict:
     tokens_per_s: dict[str, dict[str, float]] = {name: {} for name in [*engines, "no_cache_loop"]}  # impl -> batch -> tok/s
     tokens_per_step: dict[str, dict[str, float]] = {name: {} for name in engines}  # impl -> batch -> tokens/step
     kv_by_batch: dict[str, dict[str, int]] = {}  # batch -> figure -> bytes per cache step
+    bookkeeping: dict[str, float] = {}  # batch -> the engine's host ms per step, outside the runner
     for batch in args.batches:
         prompts = random_prompts(model.config, batch, prompt_length, args.seed + batch)
         for name, engine in engines.items():
@@ -227,13 +263,16 @@ def measure(args: argparse.Namespace) -> dict:
             model.compile_mlp(False)
             tokens_per_s[name][str(batch)] = round(run.tokens / run.seconds, 2)
             tokens_per_step[name][str(batch)] = round(run.tokens / run.steps, 3)
+            if name == "engine":
+                bookkeeping[str(batch)] = round(1000 * run.bookkeeping_seconds / run.forwards, 3)
             if name == "engine" and run.cache_forwards:
                 kv_by_batch[str(batch)] = {
                     "copied": run.copied // run.cache_forwards, "written": run.written // run.cache_forwards,
                     "gathered_before": run.gathered_before // run.cache_forwards,
                 }
             log(f"batch {batch} {name}: {tokens_per_s[name][str(batch)]} tok/s ({run.tokens} tokens, "
-                f"{run.seconds:.2f}s), kv per cache step {kv_by_batch.get(str(batch))}")
+                f"{run.seconds:.2f}s, {1000 * run.bookkeeping_seconds / run.forwards:.3f} ms per step outside "
+                f"the runner), kv per cache step {kv_by_batch.get(str(batch))}")
         run_no_cache_loop(model, prompts, _warm_up(args))
         tokens, seconds = run_no_cache_loop(model, prompts, args)
         tokens_per_s["no_cache_loop"][str(batch)] = round(tokens / seconds, 2)
@@ -265,6 +304,9 @@ def measure(args: argparse.Namespace) -> dict:
         "kv_bytes_written_per_cache_step": kv.get("written"),
         "kv_bytes_by_batch": kv_by_batch,
         "kv_bytes_per_token": engines["engine"].kv_cache.bytes_per_token,
+        # the engine's request bookkeeping per step (planning, host arrays, applying commits), outside the
+        # model runner's forward: host time a GPU's speed does not shorten
+        "engine_bookkeeping_ms_per_step_by_batch": bookkeeping,
         "measured": {"engine_blocks": args.blocks, "no_cache_loop_steps": args.loop_steps},
         "lm_head_scale": scale or 1.0,
         "cuda_graphs": {name: e.runner.graphs_enabled for name, e in engines.items()},

@@ -20,6 +20,9 @@ def test_speed_bench_reports_tokens_per_s_and_kv_bytes(tmp_path, capsys):
     assert all(set(by_batch) == {"1", "3"} and min(by_batch.values()) > 0
                for by_batch in figures["tokens_per_s_by_batch"].values())
     assert figures["attention_backend"] == {"engine": "sdpa"}
+    # the engine's host work outside the runner, timed in the same runs
+    bookkeeping = figures["engine_bookkeeping_ms_per_step_by_batch"]
+    assert set(bookkeeping) == {"1", "3"} and min(bookkeeping.values()) > 0
     # the cache is read in place: cache steps copy nothing and write their blocks only
     per_token = figures["kv_bytes_per_token"]
     assert figures["kv_bytes_batch"] == 3
@@ -45,3 +48,17 @@ def test_the_floor_and_the_calibrated_head_are_reported(tmp_path):
     assert set(figures["floor_ms_by_batch"]) == set(figures["engine_cache_step_ms_by_batch"]) == {"1", "2"}
     assert not figures["floor_graph"]  # a CPU: the floor ran eagerly
     assert all(ratio > 0 for ratio in figures["engine_over_floor"].values())
+
+
+def test_the_runner_clock_times_the_forward_and_gives_the_method_back():
+    from bench.engine_speed import ARCHS, _RunnerClock, random_model, random_prompts
+    from services.worker.engine import DLMEngine
+
+    model = random_model(ARCHS["llada-tiny"], "cpu", 0)
+    eng = DLMEngine(model, stop_at_eos=False)
+    state = eng.new_request("r", random_prompts(model.config, 1, 8, 0)[0], 16, 8)
+    with _RunnerClock(eng) as clock:
+        eng.step([(state, 0.9)])
+        assert clock.seconds > 0
+    assert "forward" not in vars(eng.runner)  # the class's forward again
+    eng.step([(state, 0.9)])
