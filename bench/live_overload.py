@@ -34,6 +34,7 @@ from pathlib import Path
 from bench.common import emit_json
 from loadgen.driver import poisson_plan, run_plan, summarize
 from services.scheduler.core.threshold import quality_curve_key
+from shared.calibration import QUALITY, bundle_dir
 from shared.runtime import free_port
 from shared.tasks import LONG_BLOCK_LENGTH, LONG_CANVAS, Family
 
@@ -65,7 +66,7 @@ WORKLOADS = {
 def quality_curve(workload: LiveWorkload, cache: str | None, model_dir: str = "models/dls-tiny") -> str:
     """The quality.json curve the workload's answers follow, by the simulator's rule
     (``quality_curve_key``: the family at its block, or the mix on its canvas)."""
-    data = json.loads((Path(model_dir) / "quality.json").read_text())
+    data = json.loads((bundle_dir(model_dir) / QUALITY).read_text())
     return quality_curve_key(data, family=workload.family.value if workload.family else None,
                              gen_len=workload.max_tokens, block_len=workload.block_length or 0,
                              no_cache=(cache or workload.cache) == "none")

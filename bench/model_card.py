@@ -10,6 +10,7 @@ import json
 import sys
 from pathlib import Path
 
+from shared.calibration import QUALITY, bundle_dir
 from shared.tasks import CATEGORIES, CHAIN_NEXT_CATEGORY, SHORT_MIX_WEIGHTS
 
 
@@ -207,7 +208,6 @@ blocks per answer, predictor features) comes from a real denoising model rather 
 """
 
 
-QUALITY_FILE = "quality.json"
 
 
 def short_mix_by_canvas(bench: dict) -> dict[str, dict[str, float]]:
@@ -247,7 +247,8 @@ def write_quality_curve(model_dir: Path, bench: dict) -> None:
     # the short families' mix on each canvas the bench measured ("accuracy@<canvas>"): a tight canvas
     # can cost the model accuracy at low thresholds that its default canvas does not show
     curve.update(short_mix_by_canvas(bench))
-    (model_dir / QUALITY_FILE).write_text(json.dumps(curve, indent=2) + "\n")
+    bundle_dir(model_dir).mkdir(parents=True, exist_ok=True)
+    (bundle_dir(model_dir) / QUALITY).write_text(json.dumps(curve, indent=2) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -259,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     text = render(model_dir, json.loads(Path(args.bench).read_text()))
     (model_dir / "MODEL_CARD.md").write_text(text)
     write_quality_curve(model_dir, json.loads(Path(args.bench).read_text()))
-    print(f"wrote {model_dir / 'MODEL_CARD.md'} and {model_dir / QUALITY_FILE}")
+    print(f"wrote {model_dir / 'MODEL_CARD.md'} and {bundle_dir(model_dir) / QUALITY}")
     return 0
 
 

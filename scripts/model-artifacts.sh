@@ -16,12 +16,12 @@ $PY -m bench.model_card --bench docs/bench/engine.json --model "$MODEL"
 # 3. predictor traces over every family, canvases 16-128 and blocks 8-32, then the served and one-shot models
 $DLS collect-traces --model "$MODEL" --out-dir data/predictor --train-requests 1600 --heldout-requests 400 \
     --gen-lengths 16,32,64,128,128,128 --block-lengths 8,8,16,32
-$DLS train-predictor --traces data/predictor/train.csv --eval data/predictor/heldout.csv --out "$MODEL/predictor"
+$DLS train-predictor --traces data/predictor/train.csv --eval data/predictor/heldout.csv --out "$MODEL/calibration/predictor"
 # 4. the predictor's errors, granularity study and cost
 $PY -m bench.predictor --model "$MODEL" --traces-dir data/predictor --json docs/bench/predictor.json
 # 5. the CPU step-latency profile (context: a 5-shot prompt plus the default canvas); it depends on the
 #    architecture, not on the weights, so a retrained model of the same shape keeps the committed one
-$DLS profile --model "$MODEL" --context-tokens 192 --output profiles/dls-tiny-cpu.json
+$DLS profile --model "$MODEL" --context-tokens 192 --output "$MODEL/calibration/profile.json"
 # 6. the simulator's replay traces of the presets' shapes (recorded by their first run, minutes each),
 #    shipped gzipped beside the weights so that a clean checkout's benchmarks load them
 KEY=$($PY -c "from sim.engines import model_key; print(model_key('$MODEL'))")

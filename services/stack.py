@@ -37,7 +37,7 @@ from shared.settings import redact_urls
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
-CPU_PROFILE = "profiles/dls-tiny-cpu.json"
+CPU_PROFILE = "models/dls-tiny/calibration/profile.json"
 SERVICES = ("scheduler", "predictor", "reconfigurator", "node_agent", "gateway")  # start order
 METRICS_BASE_PORT = 9100  # /metrics of the services on one host: base + position in SERVICES (see metrics_env)
 

@@ -51,6 +51,9 @@ class ServiceSettings(BaseSettings):
     scheduler_shards: int = Field(1, gt=0, le=64,
                                   description="scheduler replicas, each owning the requests and instances whose "
                                               "ids hash to it (every service must agree)")
+    calibration_dir: str = Field("", description="the served model's calibration bundle (`dls calibrate`'s "
+                                                 "--out); empty: <model directory>/calibration; a model with "
+                                                 "none is served uncalibrated (shared/calibration.py)")
     trust_remote_code: bool = Field(False, description="let transformers run the tokenizer code a checkpoint "
                                                        "ships (Dream's tokenization_dream.py); the gateway and "
                                                        "every worker load the tokenizer (the node agent passes "
@@ -97,7 +100,7 @@ class GatewaySettings(ServiceSettings):
     chat_template: str = _own("gateway", "chat_template", "",
                               "chat template (Jinja) to use instead of the model's: a file path or the template "
                               "itself; empty: the tokenizer's own")
-    profile: str = _own("gateway", "profile", "profiles/dls-tiny-cpu.json",
+    profile: str = _own("gateway", "profile", "models/dls-tiny/calibration/profile.json",
                         "step-latency profile for default SLOs (TP-1 latency at batch 1)")
     profile_scale: float = _own("gateway", "profile_scale", 1.0,
                                 "multiply the profile's latencies by this (as the workers' DLS_WORKER_PACE_SCALE)", gt=0)
@@ -213,7 +216,7 @@ class WorkerSettings(ServiceSettings):
     heartbeat_interval_s: float = _own("worker", "heartbeat_interval_s", 2.0, "period of heartbeats", gt=0)
     lease_ttl_s: float = _own("worker", "lease_ttl_s", 6.0, "the scheduler drops the instance after this silence",
                               gt=0)
-    profile: str = _own("worker", "profile", "profiles/dls-tiny-cpu.json",
+    profile: str = _own("worker", "profile", "models/dls-tiny/calibration/profile.json",
                         "latency profile the scheduler plans this instance with when it is not paced")
     drain_timeout_s: float = _own("worker", "drain_timeout_s", 30.0,
                                   "a draining worker leaves after this long even if requests are still on it "
@@ -240,7 +243,7 @@ class WorkerSettings(ServiceSettings):
 class PredictorSettings(ServiceSettings):
     """The remaining-step predictor."""
 
-    model_dir: str = _own("predictor", "model_dir", "models/dls-tiny/predictor", "trained predictor directory")
+    model_dir: str = _own("predictor", "model_dir", "models/dls-tiny/calibration/predictor", "trained predictor directory")
     mode: Literal["online", "one-shot"] = _own("predictor", "mode", "online",
                                                "online (progress features) or one-shot (arrival estimate)")
     queue_group: str = _own("predictor", "queue_group", "predictor", "NATS queue group of predictor replicas")

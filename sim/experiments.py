@@ -35,6 +35,7 @@ from services.scheduler.core.threshold import (
     quality_curves,
     within_quality_budget,
 )
+from shared.calibration import QUALITY, bundle_dir
 from shared.profiles import LatencyProfile
 from shared.request_traces import read_trace
 from shared.tasks import SHORT_FAMILIES, Family, Split, TaskGenerator
@@ -107,7 +108,7 @@ class Setup:
         return self._quality()[1]
 
     def _quality(self) -> tuple[dict | None, str | None, str]:
-        path = Path(self.model_dir) / "quality.json"
+        path = bundle_dir(self.model_dir) / QUALITY
         if not path.exists():
             return None, None, "replay trace calibration"
         data = json.loads(path.read_text())

@@ -265,7 +265,7 @@ def _load_control_at_top(abl: dict) -> str:
 
 def _curve_drops(key: str | None, taus: tuple[str, ...]) -> str:
     """'6.5, 13.5 and 34.5 points below 0.9 at 0.7, 0.6 and 0.5' on a quality.json curve."""
-    data = json.load(open("models/dls-tiny/quality.json"))
+    data = json.load(open("models/dls-tiny/calibration/quality.json"))
     curve = data.get("families", {}).get(key) or data.get(key or "accuracy") or data["accuracy"]
     drops = [f"{100 * (curve['0.9'] - curve[t]):.1f}" for t in taus]
     return f"{', '.join(drops[:-1])} and {drops[-1]} points below 0.9 at {', '.join(taus[:-1])} and {taus[-1]}"
@@ -526,7 +526,7 @@ def main() -> None:
     w("# Simulator results\n")
     w("Produced by `sim/run_results.sh` (commands below) on a 2-core CPU machine shared with other jobs, with "
       "the bundled model `models/dls-tiny` (its model card; each JSON's `setup.model_key` names the weights' digest; "
-      "its replay trace was recorded from them), its step predictor (`models/dls-tiny/predictor`; `--prediction auto` found it), "
+      "its replay trace was recorded from them), its step predictor (`models/dls-tiny/calibration/predictor`; `--prediction auto` found it), "
       "and the modelled H100 profile `profiles/llada-8b-h100.json` (the headline runs also on the profile measured on "
       "an H200: \"The headlines on a measured profile\"). The `paper-bench` and `paper-trace` tables "
       "are from the `--quick` sizes (the acceptance runs); `paper-bench` also from the full size (replay only); "

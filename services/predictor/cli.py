@@ -1,7 +1,7 @@
 """`dls collect-traces` and `dls train-predictor`: the step predictor's offline pipeline.
 
     dls collect-traces     # data/predictor/train.csv (train split) and heldout.csv (held-out split)
-    dls train-predictor    # models/dls-tiny/predictor/ (+ oneshot/), card scored on heldout.csv
+    dls train-predictor    # models/dls-tiny/calibration/predictor/ (+ oneshot/), card scored on heldout.csv
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The predictor service against a real nats-server, with the trained predictor in models/dls-tiny/predictor:
+"""The predictor service against a real nats-server, with the trained predictor in models/dls-tiny/calibration/predictor:
 batched predictions in query order, malformed payloads answered with an error, and the process entry point."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The trained predictors committed next to an engine model, loaded in process (the simulator, the
+"""The trained predictors in an engine model's calibration bundle, loaded in process (the simulator, the
 predictor service, tests).
 
     predictor = load_predictor("models/dls-tiny")               # online (progress + confidence)
@@ -17,19 +17,19 @@ from pathlib import Path
 
 from services.predictor.core.model import StepModel
 from services.predictor.core.predictor import InProcessPredictor, OneShotPredictor, PredictionQuery, Predictor
+from shared.calibration import ONE_SHOT as ONE_SHOT_DIR
+from shared.calibration import PREDICTOR, bundle_dir
 
-PREDICTOR_DIR = "predictor"  # inside the engine model's directory
-ONE_SHOT_DIR = "oneshot"  # inside PREDICTOR_DIR
-
-__all__ = ["PredictionQuery", "load_predictor", "predictor_dir"]
+__all__ = ["ONE_SHOT_DIR", "PredictionQuery", "load_predictor", "predictor_dir"]
 
 
 def predictor_dir(model_dir: str | Path, one_shot: bool = False) -> Path:
-    directory = Path(model_dir) / PREDICTOR_DIR
+    """The predictor in the calibration bundle of an engine model (``shared.calibration``)."""
+    directory = bundle_dir(model_dir) / PREDICTOR
     return directory / ONE_SHOT_DIR if one_shot else directory
 
 
 def load_predictor(model_dir: str | Path, one_shot: bool = False) -> Predictor:
-    """The trained predictor committed next to an engine model (raises ``ModelError`` if unusable)."""
+    """The trained predictor in an engine model's calibration bundle (raises ``ModelError`` if unusable)."""
     model = StepModel.load(predictor_dir(model_dir, one_shot))
     return OneShotPredictor(model) if one_shot else InProcessPredictor(model)

@@ -7,7 +7,7 @@ from shared.profiles import LatencyProfile, ProfileError
 
 
 def test_alias_adds_a_degree_with_the_other_degrees_curves():
-    profile = LatencyProfile.load("profiles/dls-tiny-cpu.json")
+    profile = LatencyProfile.load("models/dls-tiny/calibration/profile.json")
     with pytest.raises(ProfileError):
         profile.alpha(2, 1)
     aliased = profile.with_alias(2, 1)

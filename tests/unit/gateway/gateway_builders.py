@@ -30,7 +30,7 @@ from shared.tokenizer import CharTokenizer
 
 REPO = Path(__file__).resolve().parents[3]
 MODEL_DIR = REPO / "models" / "dls-tiny"
-PROFILE = REPO / "profiles" / "dls-tiny-cpu.json"
+PROFILE = REPO / "models" / "dls-tiny" / "calibration" / "profile.json"
 MODEL = "dls-tiny"
 TOKENIZER = CharTokenizer.from_pretrained(MODEL_DIR)
 
