@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
+from shared.calibration import CalibrationError, find, uncalibrated_message
 from shared.cli import CliError
 from shared.devices import VISIBLE_DEVICES, DeviceError, cuda_problem, pin
 from shared.redis_target import SENTINEL_SCHEME
@@ -37,8 +38,8 @@ from shared.settings import redact_urls
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
-CPU_PROFILE = "models/dls-tiny/calibration/profile.json"
 SERVICES = ("scheduler", "predictor", "reconfigurator", "node_agent", "gateway")  # start order
+UNCALIBRATED = "calibration: NONE"
 METRICS_BASE_PORT = 9100  # /metrics of the services on one host: base + position in SERVICES (see metrics_env)
 
 
@@ -66,6 +67,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="paced latencies apply at this context; steps scale by their requests' context "
                         "(as the simulator, whose anchor sim.json reports as profile_anchor_context_tokens)")
     p.add_argument("--model", default="models/dls-tiny", help="model directory")
+    p.add_argument("--calibration", default=os.environ.get("DLS_CALIBRATION_DIR", ""), metavar="DIR",
+                   help="the model's calibration bundle, as `dls calibrate --out` wrote it (default: "
+                        "DLS_CALIBRATION_DIR, else <model>/calibration; none: the model is served uncalibrated)")
     p.add_argument("--run-dir", default="runs/stack", help="logs and server data go here")
     p.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for the gateway")
     p.set_defaults(func=_up)
@@ -240,9 +244,13 @@ def service_env(args, nats_url: str, redis_url: str, placement: Placement | None
     tps = placement.tps
     if not 1 <= args.schedulers <= 64:
         raise CliError(f"--schedulers: between 1 and 64, got {args.schedulers}")
-    profile = args.pace or CPU_PROFILE
+    profile = args.pace or ""  # "": each service reads the served model's calibration (shared.calibration)
     env = dict(os.environ)
     env.update({
+        "DLS_MODEL_DIR": args.model,
+        "DLS_CALIBRATION_DIR": getattr(args, "calibration", ""),
+        "DLS_PREDICTOR_MODEL_DIR": args.model,
+        "DLS_RECONFIGURATOR_MODEL_DIR": args.model,
         "DLS_NATS_URL": nats_url,
         "DLS_REDIS_URL": redis_url,
         "DLS_GATEWAY_HOST": args.host,
@@ -260,7 +268,7 @@ def service_env(args, nats_url: str, redis_url: str, placement: Placement | None
         "DLS_NODE_AGENT_INITIAL_INSTANCES": json.dumps(tps),
         "DLS_NODE_AGENT_LOG_DIR": str(Path(args.run_dir) / "logs"),
         "DLS_WORKER_MODEL_DIR": args.model,
-        "DLS_WORKER_PROFILE": CPU_PROFILE,
+        "DLS_WORKER_PROFILE": "",  # its calibration's for its device, else the step times it measures
         "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),  # many small processes: one thread each
     })
     if placement.gpus is not None:  # the agent's slots 0..n-1 are these GPUs; it pins each worker to its own
@@ -309,6 +317,24 @@ def wait_ready(url: str, stack: Stack, timeout_s: float) -> None:
                    f"logs in {stack.run_dir / 'logs'}")
 
 
+def describe_calibration(args, placement: Placement) -> str:
+    """What ``dls up`` says of the served model's calibration; ``CliError`` naming what differs when it was
+    made for other weights or another kind of device (``shared.calibration``), before anything starts."""
+    device = placement.device if placement.gpus is None else f"cuda:{placement.gpus[0]}"
+    gpu_name = None
+    if placement.gpus is not None:
+        from services.worker.profiling import device_name
+
+        gpu_name = device_name(device)
+    try:
+        calibration = find(args.model, getattr(args, "calibration", "") or None, device, gpu_name)
+    except CalibrationError as exc:
+        raise CliError(f"--model {args.model}: {exc}") from None
+    if calibration is None:
+        return f"{UNCALIBRATED}. {uncalibrated_message(args.model)}"
+    return f"calibration: {calibration.label}"
+
+
 def _auth_line(env: dict[str, str]) -> str:
     """What ``dls up`` says about API keys at start (never the keys themselves)."""
     try:
@@ -331,6 +357,7 @@ def _up(args) -> int:
     if not Path(args.model, "config.json").exists():
         raise CliError(f"--model: {args.model} has no config.json")
     placement = worker_placement(args)  # a device that is not there fails here, before anything starts
+    calibration_line = describe_calibration(args, placement)  # and a calibration made for another model
     stack = Stack(Path(args.run_dir))
     stopping = False
 
@@ -354,9 +381,11 @@ def _up(args) -> int:
                 start(stack, url)
         env = service_env(args, nats_urls, redis_url, placement)  # the services get every server of a cluster
         print(_auth_line(env), flush=True)
+        print(calibration_line, flush=True)
         if placement.gpus is not None:
             print(f"workers on CUDA: GPUs {placement.gpus}, TP degrees {placement.tps} (each pinned to its "
-                  f"slot's GPUs; the scheduler plans with {env['DLS_SCHEDULER_PROFILE']})", flush=True)
+                  f"slot's GPUs; each worker announces its profile: {env['DLS_SCHEDULER_PROFILE'] or 'the calibration'}'s, "
+                  "or the step times it measures)", flush=True)
         for service in SERVICES:
             if service == "scheduler":
                 for shard in range(args.schedulers):  # replica 0 is "scheduler", as with one
@@ -371,7 +400,8 @@ def _up(args) -> int:
         print(f"waiting for the gateway at {url} (logs in {stack.run_dir / 'logs'}) ...", flush=True)
         wait_ready(url, stack, args.ready_timeout)
         model = Path(args.model).name
-        print(f"\nDiLaServe is serving {model} at {url}\n\n"
+        state = " (UNCALIBRATED: see above)" if calibration_line.startswith(UNCALIBRATED) else ""
+        print(f"\nDiLaServe is serving {model}{state} at {url}\n\n"
               f"  curl {url}/v1/completions -H 'Content-Type: application/json' \\\n"
               f"       -d '{{\"model\": \"{model}\", \"prompt\": \"347+589=\", \"max_tokens\": 16}}'\n\n"
               "Ctrl-C stops everything.", flush=True)

@@ -207,6 +207,12 @@ def find(model_dir: str | Path, calibration_dir: str | Path | None = None, devic
     return calibration
 
 
+def of_service(settings, device: str | None = None, device_name: str | None = None) -> Calibration | None:
+    """The checked bundle of the model a service serves (its ``model_dir`` and ``calibration_dir``
+    settings, ``shared.settings``), or None: uncalibrated."""
+    return find(settings.model_dir, settings.calibration_dir or None, device, device_name)
+
+
 def uncalibrated_message(model_dir: str | Path) -> str:
     """What every service says about a model served without a calibration."""
     return (f"{model_dir} is uncalibrated (no {Path(model_dir) / DIRECTORY / MANIFEST}): it is served at the "

@@ -206,6 +206,21 @@ class LatencyProfile:
         return cls.from_dict(data, source=str(path), base_dir=path.parent)
 
 
+def online_profile(model: str, tp: int, context_tokens: int, block_length: int,
+                   ms_by_kind: dict[str, dict[int, float]], served_steps: int) -> LatencyProfile:
+    """The profile of an instance whose worker measured its own step times (an uncalibrated model:
+    ``services.worker.online_profile``), noisy points smoothed (``min-over-larger``); ``ProfileError``
+    when a step kind is missing."""
+    kinds = {kind: points for kind, points in ms_by_kind.items() if points or kind in STEP_KINDS}
+    return LatencyProfile.from_dict({
+        "model": model, "device": "measured by its worker", "measured": True,
+        "context_tokens": context_tokens, "block_length": block_length,
+        "tp": {str(tp): {kind: {str(b): ms for b, ms in points.items()} for kind, points in kinds.items()}},
+        "batch_monotone": "min-over-larger",
+        "notes": f"online: measured by its worker at start, {served_steps} served steps folded in",
+    }, source=f"the online profile of a {model} instance")
+
+
 def _add_note(notes: str, note: str) -> str:
     return f"{notes.rstrip('. ')}; {note}" if notes and note else notes or note
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import AliasChoices, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.messages.codec import DEFAULT_MAX_PAYLOAD_BYTES
@@ -27,6 +27,18 @@ def _own(service: str, name: str, default: Any, description: str, **kwargs: Any)
     """A service-specific field, read from ``DLS_<SERVICE>_<NAME>``."""
     return Field(default, validation_alias=f"{ENV_PREFIX}{service}_{name}".upper(), description=description,
                  **kwargs)
+
+
+MODEL_DIR_ENV = f"{ENV_PREFIX}MODEL_DIR"
+DEFAULT_MODEL_DIR = "models/dls-tiny"
+
+
+def _model_dir(service: str, description: str) -> Any:
+    """The served model's directory: ``DLS_<SERVICE>_MODEL_DIR``, else ``DLS_MODEL_DIR`` (what ``dls up
+    --model``, compose and the k8s manifests set for every service at once), else the bundled model."""
+    return Field(DEFAULT_MODEL_DIR, validation_alias=AliasChoices(f"{ENV_PREFIX}{service}_model_dir".upper(),
+                                                                  MODEL_DIR_ENV),
+                 description=description)
 
 
 class ServiceSettings(BaseSettings):
@@ -95,13 +107,14 @@ class GatewaySettings(ServiceSettings):
                                     "400 naming cache", gt=0)
     request_timeout_s: float = _own("gateway", "request_timeout_s", 300.0,
                                     "give up waiting for a request's final event after this long", gt=0)
-    model_dir: str = _own("gateway", "model_dir", "models/dls-tiny",
-                          "served model's directory (tokenizer, config); its basename is the model name")
+    model_dir: str = _model_dir("gateway", "served model's directory (tokenizer, config, calibration); its basename "
+                                           "is the model name")
     chat_template: str = _own("gateway", "chat_template", "",
                               "chat template (Jinja) to use instead of the model's: a file path or the template "
                               "itself; empty: the tokenizer's own")
-    profile: str = _own("gateway", "profile", "models/dls-tiny/calibration/profile.json",
-                        "step-latency profile for default SLOs (TP-1 latency at batch 1)")
+    profile: str = _own("gateway", "profile", "",
+                        "step-latency profile for default SLOs (TP-1 latency at batch 1); empty: the served "
+                        "model's calibration's (uncalibrated: DLS_GATEWAY_DEFAULT_SLO_MS)")
     profile_scale: float = _own("gateway", "profile_scale", 1.0,
                                 "multiply the profile's latencies by this (as the workers' DLS_WORKER_PACE_SCALE)", gt=0)
     default_slo_factor: float = _own("gateway", "default_slo_factor", 5.0,
@@ -155,9 +168,11 @@ class SchedulerSettings(ServiceSettings):
                                      "short families' mix, 'accuracy_dual_cache', 'accuracy@<canvas>' for the mix on "
                                      "one canvas, task family names, '<family>@<block>'); empty: the mix and every "
                                      "family at the default canvas")
-    profile: str = _own("scheduler", "profile", "profiles/llada-8b-h100.json",
-                        "step-latency profile for instances whose heartbeat names none (or an unreadable one)")
-    model_dir: str = _own("scheduler", "model_dir", "models/dls-tiny", "served model (its config gives the mask id)")
+    profile: str = _own("scheduler", "profile", "",
+                        "step-latency profile for instances whose heartbeat names none (or an unreadable one); "
+                        "empty: the served model's calibration's")
+    model_dir: str = _model_dir("scheduler", "served model (its config gives the mask id; its calibration the "
+                                             "candidate thresholds)")
     consumer_name: str = _own("scheduler", "consumer_name", "scheduler", "durable JetStream consumer on the intake")
     intake_batch: int = _own("scheduler", "intake_batch", 64, "most intake messages fetched at once", gt=0)
     ack_wait_s: float = _own("scheduler", "ack_wait_s", 30.0,
@@ -202,7 +217,7 @@ class WorkerSettings(ServiceSettings):
     shard: int | None = _own("worker", "shard", None, "the scheduler shard that owns this instance (the node agent "
                              "sets it); unset: by hash of the instance id", ge=0)
     tp: int = _own("worker", "tp", 1, "tensor-parallel degree", gt=0)
-    model_dir: str = _own("worker", "model_dir", "models/dls-tiny", "model directory (bundled, LLaDA or Dream)")
+    model_dir: str = _model_dir("worker", "model directory (bundled, LLaDA or Dream)")
     device: str = _own("worker", "device", "cpu",
                        "torch device: cpu, cuda or cuda:N (rank r on cuda:N+r of the GPUs this process sees; "
                        "the node agent pins each worker to its slot's GPUs with CUDA_VISIBLE_DEVICES)")
@@ -216,8 +231,10 @@ class WorkerSettings(ServiceSettings):
     heartbeat_interval_s: float = _own("worker", "heartbeat_interval_s", 2.0, "period of heartbeats", gt=0)
     lease_ttl_s: float = _own("worker", "lease_ttl_s", 6.0, "the scheduler drops the instance after this silence",
                               gt=0)
-    profile: str = _own("worker", "profile", "models/dls-tiny/calibration/profile.json",
-                        "latency profile the scheduler plans this instance with when it is not paced")
+    profile: str = _own("worker", "profile", "",
+                        "latency profile the scheduler plans this instance with when it is not paced; empty: "
+                        "the served model's calibration's, for this device (uncalibrated: the step times this "
+                        "worker measures, sent in its heartbeats)")
     drain_timeout_s: float = _own("worker", "drain_timeout_s", 30.0,
                                   "a draining worker leaves after this long even if requests are still on it "
                                   "(they resume elsewhere from Redis)", gt=0)
@@ -243,7 +260,8 @@ class WorkerSettings(ServiceSettings):
 class PredictorSettings(ServiceSettings):
     """The remaining-step predictor."""
 
-    model_dir: str = _own("predictor", "model_dir", "models/dls-tiny/calibration/predictor", "trained predictor directory")
+    model_dir: str = _model_dir("predictor", "served model: its calibration's predictor answers (uncalibrated: a "
+                                             "model-free bound)")
     mode: Literal["online", "one-shot"] = _own("predictor", "mode", "online",
                                                "online (progress features) or one-shot (arrival estimate)")
     queue_group: str = _own("predictor", "queue_group", "predictor", "NATS queue group of predictor replicas")
@@ -252,12 +270,15 @@ class PredictorSettings(ServiceSettings):
 class ReconfiguratorSettings(ServiceSettings):
     """The periodic cluster planner."""
 
+    model_dir: str = _model_dir("reconfigurator", "served model: its calibration's profile plans the cluster "
+                                                  "(uncalibrated: observe only)")
     enabled: bool = _own("reconfigurator", "enabled", True, "publish plans; false: observe only")
     interval_s: float = _own("reconfigurator", "interval_s", 300.0, "period between plans", gt=0)
     cluster: str | None = _own("reconfigurator", "cluster", None,
                                "cluster spec: inline JSON or a JSON file (nodes, GPUs); unset: the nodes and "
                                "GPUs seen in heartbeats")
-    profile: str = _own("reconfigurator", "profile", "profiles/llada-8b-h100.json", "step-latency profile file")
+    profile: str = _own("reconfigurator", "profile", "",
+                        "step-latency profile file; empty: the served model's calibration's")
     improvement_margin: float = _own("reconfigurator", "improvement_margin", 0.1,
                                      "apply a plan only when Stage 1 improves by this fraction", ge=0)
     solver_time_limit_s: float = _own("reconfigurator", "solver_time_limit_s", 30.0, "HiGHS time limit", gt=0)
@@ -347,6 +368,9 @@ def env_vars(settings_cls: type[BaseSettings]) -> dict[str, str]:
     """Environment variable -> description, for every field of ``settings_cls``."""
     out = {}
     for name, info in settings_cls.model_fields.items():
-        alias = info.validation_alias if isinstance(info.validation_alias, str) else None
+        alias = info.validation_alias
+        if isinstance(alias, AliasChoices):  # its own variable first (DLS_MODEL_DIR is documented apart)
+            alias = alias.choices[0]
+        alias = alias if isinstance(alias, str) else None
         out[alias or f"{ENV_PREFIX}{name}".upper()] = info.description or ""
     return out

@@ -26,6 +26,7 @@ from services.gateway.models import ServedModel, TextCodec
 from services.gateway.prepare import PreparedRequest
 from services.gateway.schemas import (
     AssistantMessage,
+    CalibrationInfo,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -43,6 +44,7 @@ from services.gateway.schemas import (
     TopLogprob,
     UsageInfo,
 )
+from shared.calibration import HOW_TO
 from shared.messages.events import RequestFinished, RequestProgress, TokenLogprobs, Usage
 from shared.state import RequestRecord, RequestStatus, StepRecord
 
@@ -254,7 +256,17 @@ class StreamFormatter:
 def model_card(model: ServedModel) -> ModelCard:
     return ModelCard(id=model.name, created=model.created, max_sequence_length=model.max_sequence_length,
                      max_model_len=model.max_sequence_length, default_max_tokens=model.default_gen_length,
-                     default_block_length=model.default_block_length, max_canvas=model.limits.max_gen_length)
+                     default_block_length=model.default_block_length, max_canvas=model.limits.max_gen_length,
+                     calibration=calibration_info(model))
+
+
+def calibration_info(model: ServedModel) -> CalibrationInfo:
+    calibration = model.calibration
+    if calibration is None:
+        return CalibrationInfo(calibrated=False, how_to=HOW_TO.format(model=model.directory))
+    quality = calibration.manifest.get("artefacts", {}).get("quality", {})
+    return CalibrationInfo(calibrated=True, device=calibration.device, device_name=calibration.device_name,
+                           created=calibration.manifest.get("created"), quality_source=quality.get("source"))
 
 
 def request_info(record: RequestRecord, steps: Sequence[StepRecord], codec: TextCodec) -> RequestInfo:

@@ -34,7 +34,7 @@ from services.gateway.idempotency import (
     RetryKey,
     retry_key,
 )
-from services.gateway.models import ModelCatalogue, UnknownModelError, load_served_model
+from services.gateway.models import ModelCatalogue, ServedModel, UnknownModelError, load_served_model
 from services.gateway.observability import install_observability, intake_headers
 from services.gateway.prepare import PreparedRequest, RequestPreparer, new_request_id
 from services.gateway.recovery import TrackedEvents, event_from_record
@@ -612,15 +612,19 @@ def _answered(body: type) -> dict:
             "of chunks, then `data: [DONE]`)", "content": {"text/event-stream": {"schema": SSE_EVENT}}}
 
 
-def slo_estimator(settings: GatewaySettings) -> SloEstimator | None:
-    """Default SLOs from the profile, or None (logged) if it is unusable: every request then gets
-    ``DLS_GATEWAY_DEFAULT_SLO_MS``."""
+def slo_estimator(settings: GatewaySettings, model: ServedModel) -> SloEstimator | None:
+    """Default SLOs from the profile (``DLS_GATEWAY_PROFILE``, else the served model's calibration's), or
+    None (logged) if there is none or it is unusable: every request then gets ``DLS_GATEWAY_DEFAULT_SLO_MS``."""
+    path = settings.profile or (str(model.calibration.profile_path) if model.calibration is not None else "")
+    if not path:
+        logger.warning("default SLOs are DLS_GATEWAY_DEFAULT_SLO_MS (%.0f ms): %s is uncalibrated, so no profile "
+                       "times its steps", settings.default_slo_ms, model.name)
+        return None
     try:
-        profile = LatencyProfile.load(settings.profile).scaled(settings.profile_scale)
+        profile = LatencyProfile.load(path).scaled(settings.profile_scale)
         return SloEstimator(profile, settings.default_slo_factor, settings.min_default_slo_ms)
     except ProfileError as exc:
-        logger.warning("default SLOs are DLS_GATEWAY_DEFAULT_SLO_MS: the profile %s is unusable (%s)",
-                       settings.profile, exc)
+        logger.warning("default SLOs are DLS_GATEWAY_DEFAULT_SLO_MS: the profile %s is unusable (%s)", path, exc)
         return None
 
 
@@ -631,9 +635,9 @@ def create_app(settings: GatewaySettings, bus: Bus | None = None,
     ``DLS_GATEWAY_RATE_LIMIT_PER_MIN`` is set; ``idempotency``: where retry keys live (None: in Redis with
     the ``GatewayBus``, in this process with a given bus)."""
     model = load_served_model(settings.model_dir, settings.default_gen_length, settings.default_block_length,
-                              settings.chat_template, settings.trust_remote_code)
+                              settings.chat_template, settings.trust_remote_code, settings.calibration_dir)
     own_bus = GatewayBus(settings) if bus is None else None
-    default_slo = DefaultSlo(slo_estimator(settings), (bus or own_bus).predict, settings.default_slo_ms, time.time)
+    default_slo = DefaultSlo(slo_estimator(settings, model), (bus or own_bus).predict, settings.default_slo_ms, time.time)
     own_limiter = None
     if rate_limiter is None and settings.rate_limit_per_min > 0:
         own_limiter = RedisRateLimiter(settings.redis_url, settings.redis_key_prefix, settings.rate_limit_per_min,

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+from shared.calibration import Calibration, CalibrationError, find, uncalibrated_message
 from shared.generation import GenerationLimits, read_generation_limits
 from shared.tokenizer import (
     TOKENIZER_FILE,
@@ -159,6 +160,7 @@ class ServedModel:
     max_sequence_length: int  # prompt plus generation must fit in this many tokens
     limits: GenerationLimits  # default canvas (max_tokens of requests that set none) and block, longest canvas
     created: int  # unix time (s) of its config (the API's ``created``)
+    calibration: Calibration | None = None  # its checked calibration bundle (None: uncalibrated)
 
     @property
     def default_gen_length(self) -> int:
@@ -188,10 +190,12 @@ class ModelCatalogue:
 
 def load_served_model(model_dir: str | Path, default_gen_length: int | None = None,
                       default_block_length: int | None = None, chat_template: str = "",
-                      trust_remote_code: bool = False) -> ServedModel:
+                      trust_remote_code: bool = False, calibration_dir: str = "") -> ServedModel:
     """Tokenizer, limits and defaults of ``model_dir``; settings' defaults win over the model's.
 
-    ``chat_template``: a file path or a Jinja template replacing the tokenizer's own ("": keep it).
+    ``chat_template``: a file path or a Jinja template replacing the tokenizer's own ("": keep it);
+    ``calibration_dir``: its calibration bundle ("": inside the model; one made for other weights is
+    refused, naming what differs: ``shared.calibration``).
     """
     directory = Path(model_dir)
     if not directory.is_dir():
@@ -211,7 +215,18 @@ def load_served_model(model_dir: str | Path, default_gen_length: int | None = No
         max_sequence_length=_max_sequence_length(config, directory),
         limits=limits,
         created=int((directory / "config.json").stat().st_mtime),
+        calibration=_calibration(directory, calibration_dir),
     )
+
+
+def _calibration(directory: Path, calibration_dir: str) -> Calibration | None:
+    try:
+        calibration = find(directory, calibration_dir or None)
+    except CalibrationError as exc:
+        raise ModelLoadError(str(exc)) from None
+    if calibration is None:
+        logger.warning(uncalibrated_message(directory))
+    return calibration
 
 
 def _template_text(setting: str) -> str | None:

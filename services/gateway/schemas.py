@@ -425,6 +425,20 @@ class ModelCard(BaseModel):
     default_block_length: int
     max_canvas: int | None = Field(description="longest canvas the model answers the same at: a larger max_tokens "
                                    "gets this canvas (null: bounded by the context only)")
+    calibration: CalibrationInfo
+
+
+class CalibrationInfo(BaseModel):
+    """What the scheduler knows of a model's latency, steps and quality (``shared.calibration``)."""
+
+    calibrated: bool = Field(description="false: served at the highest candidate threshold only, planned with the "
+                                         "step times the workers measure (how_to says how to calibrate it)")
+    device: str | None = Field(None, description="the kind of device it was calibrated on (cpu, cuda)")
+    device_name: str | None = None
+    created: str | None = Field(None, description="when `dls calibrate` made it (UTC)")
+    quality_source: str | None = Field(None, description="labelled (accuracy on an eval set) or agreement (with "
+                                                         "the highest threshold's answers)")
+    how_to: str | None = Field(None, description="the command that calibrates it (uncalibrated models)")
 
 
 class ModelList(BaseModel):

@@ -7,7 +7,9 @@ A thin loop around the core's predictors (``services/predictor/core/predictor.py
   field, the whole batch goes to the LightGBM boosters in one call (in a thread, so the loop keeps
   answering while it runs), and the answer is a ``PredictReply`` in query order with the model's
   version. ``one_shot`` requests (or every request, with ``mode = "one-shot"``) use the arrival-time
-  model in ``<model_dir>/oneshot``, loaded the first time it is needed.
+  model (``oneshot/`` beside the online one in the served model's calibration bundle), loaded the
+  first time it is needed. A model with no calibration is answered by ``BoundPredictor`` (the most
+  steps a request can take), said at start.
 - Any failure (a malformed payload, a prediction error) is logged, counted and answered with
   ``error`` set; the service never crashes on a message.
 - SIGTERM / SIGINT: the subscription is drained (requests already received are answered), then
@@ -26,9 +28,10 @@ from opentelemetry.trace import SpanKind
 
 from services.predictor.core.loading import ONE_SHOT_DIR
 from services.predictor.core.model import RECOMPUTE_FILE, TOTAL_FILE, StepModel
-from services.predictor.core.predictor import InProcessPredictor, OneShotPredictor, Predictor
+from services.predictor.core.predictor import BoundPredictor, InProcessPredictor, OneShotPredictor, Predictor
 from services.predictor.core.predictor import PredictionQuery as CoreQuery
 from services.predictor.core.predictor import StepPrediction as CoreStepPrediction
+from shared.calibration import of_service, uncalibrated_message
 from shared.messages import codec
 from shared.messages.predictor import (
     PredictionQuery,
@@ -99,13 +102,16 @@ def to_wire_prediction(prediction: CoreStepPrediction) -> StepPrediction:
 
 
 class PredictorService:
-    """Answers ``PredictRequest``s on ``nc`` with the predictors trained in ``settings.model_dir``."""
+    """Answers ``PredictRequest``s on ``nc`` with the predictors of the served model's calibration
+    (``settings.model_dir``, ``shared.calibration``); an uncalibrated model gets ``BoundPredictor``."""
 
     def __init__(self, settings: PredictorSettings, nc) -> None:
         self.settings = settings
         self.nc = nc
         self.subjects = Subjects(settings.subject_prefix)
-        self.model_dir = Path(settings.model_dir)
+        self.calibration = of_service(settings)  # refused (naming what differs) when made for other weights
+        if self.calibration is None:
+            logger.warning(uncalibrated_message(settings.model_dir))
         self.num_requests = 0  # requests answered with predictions
         self.num_errors = 0  # requests answered with an error (malformed ones included)
         self.num_malformed = 0  # payloads that did not decode as a PredictRequest
@@ -119,8 +125,12 @@ class PredictorService:
         self._predictor(one_shot=self.settings.mode == "one-shot")
 
     def _predictor(self, one_shot: bool) -> LoadedPredictor:
+        if one_shot not in self._loaded and self.calibration is None:
+            self._loaded[one_shot] = LoadedPredictor(BoundPredictor(), BoundPredictor.version)
+            logger.info("predicting the most steps a request can take (no trained predictor)")
         if one_shot not in self._loaded:
-            directory = self.model_dir / ONE_SHOT_DIR if one_shot else self.model_dir
+            directory = self.calibration.predictor_dir
+            directory = directory / ONE_SHOT_DIR if one_shot else directory
             self._loaded[one_shot] = load(directory, one_shot)
             logger.info("loaded the %s predictor from %s (%s)", "one-shot" if one_shot else "online", directory,
                         self._loaded[one_shot].version)

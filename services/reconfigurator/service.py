@@ -48,6 +48,7 @@ from services.reconfigurator.core.solver import SolverOptions
 from services.reconfigurator.core.spec import Cluster, Instance
 from services.reconfigurator.core.stage1 import Stage1Options
 from services.reconfigurator.core.stage2 import Stage2Options, solve_stage2
+from shared.calibration import of_service, uncalibrated_message
 from shared.leases import LeaseTable
 from shared.messages import codec
 from shared.messages.control import (
@@ -446,10 +447,25 @@ class ReconfiguratorService:
                                   headers=inject_headers() or None)  # the node agents' spans continue it
 
 
+def planning_profile(settings: ReconfiguratorSettings) -> str | None:
+    """The profile the plans are made with: ``DLS_RECONFIGURATOR_PROFILE``, else the served model's
+    calibration's (``CalibrationMismatch`` when it was made for other weights); None: uncalibrated."""
+    if settings.profile:
+        return settings.profile
+    calibration = of_service(settings)
+    return str(calibration.profile_path) if calibration is not None else None
+
+
 async def serve(settings: ReconfiguratorSettings) -> None:
     """Run until SIGTERM or SIGINT."""
 
-    service = ReconfiguratorService(settings, None, LatencyProfile.load(settings.profile))  # bad files fail first
+    path = planning_profile(settings)  # bad files fail first
+    if path is None:  # uncalibrated: no profile of this model to plan with, and another model's would mislead
+        logger.warning("%s; the reconfigurator makes no plans for it (the cluster keeps the shape it started with)",
+                       uncalibrated_message(settings.model_dir))
+        await on_stop_signals().wait()
+        return
+    service = ReconfiguratorService(settings, None, LatencyProfile.load(path))
     setup_tracing("dls-reconfigurator", settings)
     serve_metrics(service.metrics.registry, settings.metrics_port, settings.metrics_host)
     nc = await connect_nats(settings, "dls-reconfigurator")

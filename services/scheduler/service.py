@@ -52,6 +52,7 @@ from services.scheduler.core import (
 )
 from services.scheduler.core.decisions import RejectReason
 from services.scheduler.core.threshold import candidates_from_quality, canvas_floors
+from shared.calibration import of_service, uncalibrated_message
 from shared.jetstream import JETSTREAM_TRANSIENT_ERRORS, IntakeConsumer, IntakeDelivery, ensure_intake_stream
 from shared.leases import LeaseTable, Observed, step_stuck
 from shared.messages import codec
@@ -62,7 +63,7 @@ from shared.messages.intake import CancelRequest, CompletionRequest
 from shared.messages.predictor import PredictionQuery, PredictReply, PredictRequest
 from shared.messages.steps import FailureKind, StepCommand, StepResults
 from shared.metrics import SchedulerMetrics, predictor_error, serve_metrics
-from shared.profiles import LatencyProfile, ProfileError
+from shared.profiles import LatencyProfile, ProfileError, online_profile
 from shared.retry import retry_transient
 from shared.runtime import connect_nats, freeze_startup_heap, on_stop_signals
 from shared.settings import SchedulerSettings
@@ -107,7 +108,31 @@ class _Telemetry:
     last_output_at: float | None = None  # when its latest block was committed (inter-token latency)
 
 
-def load_policy(settings: SchedulerSettings):
+@dataclass(frozen=True)
+class ServedQuality:
+    """The served model's quality curves (``quality.json`` of its calibration bundle), or None when it
+    is uncalibrated; ``where`` names the file for logs and errors."""
+
+    curves: dict | None
+    where: str
+    profile: str = ""  # the calibration's latency profile ("": uncalibrated)
+
+
+def served_quality(settings: SchedulerSettings) -> ServedQuality:
+    """The quality curves of the calibration of ``settings.model_dir`` (``shared.calibration``: a bundle
+    made for other weights is refused, naming what differs)."""
+    calibration = of_service(settings)
+    if calibration is None:
+        logger.warning(uncalibrated_message(settings.model_dir))
+        return ServedQuality(None, f"{settings.model_dir} (uncalibrated)")
+    path = calibration.quality_path
+    try:
+        return ServedQuality(json.loads(path.read_text()), str(path), str(calibration.profile_path))
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"DLS_SCHEDULER_QUALITY_BUDGET_PP: cannot read the accuracy curve {path}: {exc}") from None
+
+
+def load_policy(settings: SchedulerSettings, quality: ServedQuality | None = None):
     config = {}
     if settings.policy_config:
         path = Path(settings.policy_config)
@@ -117,53 +142,51 @@ def load_policy(settings: SchedulerSettings):
             raise ValueError(f"DLS_SCHEDULER_POLICY_CONFIG: cannot read {path}: {exc}") from None
     config_cls = type(make_config(settings.policy))
     if "thresholds" in config_cls.model_fields and "thresholds" not in config:
-        config["thresholds"] = candidate_thresholds(settings)
+        quality = quality if quality is not None else served_quality(settings)
+        config["thresholds"] = candidate_thresholds(settings, quality)
         # each request bounded by its canvas too (a policy config's own thresholds stand as given)
         if "canvas_floors" in config_cls.model_fields and "canvas_floors" not in config:
-            config["canvas_floors"] = tuple(sorted(canvas_floors_of(settings, config["thresholds"]).items()))
+            config["canvas_floors"] = tuple(sorted(canvas_floors_of(settings, quality, config["thresholds"]).items()))
     return make_policy(settings.policy, config)
 
 
-def canvas_floors_of(settings: SchedulerSettings, thresholds) -> dict[int, float]:
+def canvas_floors_of(settings: SchedulerSettings, quality: ServedQuality, thresholds) -> dict[int, float]:
     """Each measured canvas's floor within the quality budget (``canvas_floors`` on the served
-    model's ``quality.json``): a request with a tight ``max_tokens`` keeps the budget on its canvas
+    model's quality curves): a request with a tight ``max_tokens`` keeps the budget on its canvas
     too. Empty when the budget is off or the model has no curves per canvas."""
-    path = Path(settings.model_dir) / "quality.json"
-    if settings.quality_budget_pp < 0 or not thresholds or not path.exists():
+    if settings.quality_budget_pp < 0 or not thresholds or quality.curves is None:
         return {}
     try:
-        floors = canvas_floors(thresholds, json.loads(path.read_text()), settings.quality_budget_pp)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"DLS_SCHEDULER_QUALITY_BUDGET_PP: {path}: {exc}") from None
+        floors = canvas_floors(thresholds, quality.curves, settings.quality_budget_pp)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"DLS_SCHEDULER_QUALITY_BUDGET_PP: {quality.where}: {exc}") from None
     if floors:
         logger.info("threshold floors per canvas %s (within %.2f accuracy points)", floors, settings.quality_budget_pp)
     return floors
 
 
-def candidate_thresholds(settings: SchedulerSettings) -> tuple[float, ...]:
+def candidate_thresholds(settings: SchedulerSettings, quality: ServedQuality) -> tuple[float, ...]:
     """``DLS_SCHEDULER_THRESHOLDS`` within ``DLS_SCHEDULER_QUALITY_BUDGET_PP`` accuracy points of the
-    highest's on the served model's measured curves (``quality.json`` beside its weights, written
-    with its model card by ``bench.model_card``): those ``DLS_SCHEDULER_QUALITY_CURVES`` names (the
-    workload the deployment serves), else the short families' mix and every family, so that no
-    family loses more than the budget; all of them when the budget is negative or the model has no
-    curve (``candidates_from_quality``, the simulator's rule too)."""
+    highest's on the served model's measured curves (its calibration's ``quality.json``, written by
+    ``dls calibrate``): those ``DLS_SCHEDULER_QUALITY_CURVES`` names (the workload the deployment
+    serves), else the short families' mix and every family, so that no family loses more than the
+    budget (``candidates_from_quality``, the simulator's rule too). An uncalibrated model has the
+    highest threshold alone (quality first: no lowering without a measured curve); a negative budget
+    keeps them all, curve or not (the operator's explicit choice)."""
     thresholds = tuple(settings.thresholds)
     if settings.quality_budget_pp < 0:
         return thresholds
-    path = Path(settings.model_dir) / "quality.json"
+    if quality.curves is None:
+        kept = (max(thresholds),)
+        logger.warning("candidate thresholds %s: %s has no measured quality curve, so no threshold below the "
+                       "highest is a candidate", list(kept), quality.where)
+        return kept
     try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        logger.info("no %s: every threshold of %s is a candidate", path, list(thresholds))
-        return thresholds
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"DLS_SCHEDULER_QUALITY_BUDGET_PP: cannot read the accuracy curve {path}: {exc}") from None
-    try:
-        kept = candidates_from_quality(thresholds, data, settings.quality_budget_pp, settings.quality_curves)
+        kept = candidates_from_quality(thresholds, quality.curves, settings.quality_budget_pp, settings.quality_curves)
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise ValueError(f"DLS_SCHEDULER_QUALITY_BUDGET_PP / _CURVES: {path}: {exc}") from None
+        raise ValueError(f"DLS_SCHEDULER_QUALITY_BUDGET_PP / _CURVES: {quality.where}: {exc}") from None
     logger.info("candidate thresholds %s (within %.2f accuracy points on %s, curves %s)", list(kept),
-                settings.quality_budget_pp, path, settings.quality_curves or "all")
+                settings.quality_budget_pp, quality.where, settings.quality_curves or "all")
     return kept
 
 
@@ -186,7 +209,10 @@ class SchedulerService:
         self.subjects = Subjects(settings.subject_prefix)
         # step ids start at the clock in microseconds, so a restarted scheduler never reuses an id
         # that a worker may still answer for its predecessor
-        self.core = StepScheduler(SchedulingLoop(policy if policy is not None else load_policy(settings)),
+        quality = served_quality(settings) if policy is None else None
+        # instances whose heartbeat names no profile (nor step times they measured) are planned with this
+        self.fallback_profile = settings.profile or (quality.profile if quality is not None else "")
+        self.core = StepScheduler(SchedulingLoop(policy if policy is not None else load_policy(settings, quality)),
                                   StepConfig(settings.overlap_min_tokens, settings.pipeline_steps,
                                              settings.held_repeats),
                                   first_step_id=int(clock() * 1_000_000))
@@ -197,6 +223,7 @@ class SchedulerService:
         self.instances: dict[str, WorkerHeartbeat] = {}  # instance id -> its latest heartbeat (in the core)
         self.leases = LeaseTable()  # every instance heard within its lease (counted from receipt)
         self._profiles: dict[str, LatencyProfile] = {}  # path -> loaded profile
+        self._measured_seen: dict[str, int] = {}  # instance -> served steps in the step times it last sent
         self._subscriptions = []
         self._tasks: list[asyncio.Task] = []
         self._intake: IntakeConsumer | None = None
@@ -439,6 +466,12 @@ class SchedulerService:
             return
         self.instances[beat.instance_id] = beat
         inst = self.view.instances.get(beat.instance_id)
+        if (beat.measured is not None and inst is not None and inst.alive  # its step times, kept current
+                and self._measured_seen.get(beat.instance_id) != beat.measured.served_steps):
+            self._measured_seen[beat.instance_id] = beat.measured.served_steps
+            profile = self._profile(beat)
+            if profile is not None:
+                self.view.set_profile(beat.instance_id, profile)
         if beat.status == WorkerStatus.DRAINING and inst is not None and inst.alive:
             logger.info("instance %s draining: its requests move away", beat.instance_id)
             self._carry_out(self.core.drain_instance(now, beat.instance_id))
@@ -460,7 +493,15 @@ class SchedulerService:
                                                mem_limit_tokens=memory))
 
     def _profile(self, beat: WorkerHeartbeat) -> LatencyProfile | None:
-        for path in (beat.profile, self.settings.profile):
+        if not beat.profile and beat.measured is not None:  # uncalibrated: the step times its worker measures
+            m = beat.measured
+            try:
+                return online_profile(beat.model, beat.tp, m.context_tokens, m.block_length,
+                                      {"recompute_ms": m.recompute_ms, "cache_ms": m.cache_ms, "full_ms": m.full_ms},
+                                      m.served_steps)
+            except ProfileError as exc:
+                logger.warning("instance %s: its measured step times are unusable (%s)", beat.instance_id, exc)
+        for path in (beat.profile, self.fallback_profile):
             if not path:
                 continue
             if path not in self._profiles:

@@ -4,6 +4,7 @@ import logging
 import sys
 
 from services.worker.service import serve
+from shared.calibration import CalibrationError
 from shared.devices import DeviceError
 from shared.runtime import run
 from shared.settings import WorkerSettings
@@ -14,7 +15,7 @@ def main() -> None:
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         run(serve(settings))
-    except DeviceError as exc:  # its GPUs are not there: say which, no traceback
+    except (DeviceError, CalibrationError) as exc:  # its GPUs are not there, or its calibration is another's
         logging.getLogger("dls.worker").error("cannot start: %s", exc)
         sys.exit(2)
 

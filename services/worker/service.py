@@ -43,6 +43,8 @@ from opentelemetry.trace import SpanKind
 
 from services.worker.beats import BeatThread
 from services.worker.kv_cache import KVBudgetExceeded
+from services.worker.online_profile import OnlineProfile
+from shared.calibration import Calibration, of_service, uncalibrated_message
 from shared.devices import VISIBLE_DEVICES, DeviceError, cuda_problem, is_cuda
 from shared.generation import answer_of, stream_release
 from shared.messages import codec
@@ -105,11 +107,15 @@ class WorkerService:
         instance_id: str | None = None,
         clock: Callable[[], float] | None = None,
         beat_connect: Callable[[], Awaitable] | None = None,
+        profile: str = "",
+        online: OnlineProfile | None = None,
     ) -> None:
         """``clock``: unix time (default ``time.time``, offset by ``DLS_TEST_CLOCK_OFFSET_S`` when set);
         ``beat_connect``: makes a NATS connection of its own for the periodic heartbeats, which then go
         from a thread of their own (``services.worker.beats``: a step that holds the event loop cannot
-        delay them); None: they go from a task on this loop over ``nc``."""
+        delay them); None: they go from a task on this loop over ``nc``. ``profile``: the served model's
+        calibrated profile for this device (``shared.calibration``); ``online``: the step times this
+        worker measures, which its heartbeats carry when it announces no profile (uncalibrated)."""
         self.settings = settings
         self.engine = engine
         self.nc = nc
@@ -124,6 +130,8 @@ class WorkerService:
         self.clock = clock if clock is not None else worker_clock(settings.clock_offset_s)
         self.status = WorkerStatus.STARTING
         self.started_at = self.clock()
+        self.profile = profile
+        self.online = online if not self.profile_name else None
         self.pace = None  # the latency profile steps are stretched to (None: no pacing)
         # paced steps whose own compute already took longer than the profile allows: the machine cannot
         # keep this pace (a larger --pace-scale can), and live runs slower than the simulator times it
@@ -171,7 +179,9 @@ class WorkerService:
 
     @property
     def profile_name(self) -> str:
-        return self.settings.pace_profile or self.settings.profile
+        """The profile its heartbeats name: the paced one, the configured one, else its calibration's;
+        "" when uncalibrated (the heartbeats carry the measured step times instead)."""
+        return self.settings.pace_profile or self.settings.profile or self.profile
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -283,7 +293,7 @@ class WorkerService:
                 ttl_s=self.settings.lease_ttl_s, sent_at=self.clock(), started_at=self.started_at,
                 metrics_port=self._metrics_server.server_port if self._metrics_server is not None else 0,
                 shard=self.shard, seq=self.num_heartbeats + 1, step_running_s=self.step_running_s(),
-                kv=self.kv_beat(),
+                kv=self.kv_beat(), measured=self.online.wire() if self.online is not None else None,
             )
             self.num_heartbeats += 1
         return codec.encode(beat, self.settings.max_payload_bytes)
@@ -466,6 +476,8 @@ class WorkerService:
                     failures += [StepFailure(request_id=item.request_id, reason=str(exc), kind=FailureKind.KV_FULL)
                                  for item, _ in ready]
                     ready, batch, outcomes = [], [], []
+            if self.online is not None and batch:
+                self._observe(time.perf_counter() - t0, outcomes, [state for state, _ in batch])
             if self.pace is not None and batch:
                 await self._pace(t0, outcomes, [state for state, _ in batch])
         finally:
@@ -651,6 +663,12 @@ class WorkerService:
             changes.update(status=RequestStatus.FINISHED, finished_at=now, finish_reason=answer.finish_reason)
         return msgspec.structs.replace(record, **changes)
 
+    def _observe(self, seconds: float, outcomes, states) -> None:
+        """Fold a served step's compute time into the online profile (an uncalibrated model)."""
+        full = [s for s, o in zip(states, outcomes, strict=True) if o.kind == StepKind.RECOMPUTE]
+        self.online.observe(seconds, [len(s.prompt_ids) + s.gen_length for s in full], len(outcomes) - len(full),
+                            no_cache=bool(full) and all(s.cache_mode is CacheMode.NONE for s in full))
+
     async def _pace(self, t0: float, outcomes, states) -> None:
         """Stretch the step to what the profile says it takes (``LatencyProfile.batch_step_s``, the
         simulator's step-time model), context-scaled when the pace is anchored (``pace_context_tokens``)."""
@@ -787,6 +805,30 @@ def check_device(settings: WorkerSettings) -> None:
         raise DeviceError(f"DLS_WORKER_DEVICE={settings.device} (TP {settings.tp}): {problem}")
 
 
+def served_calibration(settings: WorkerSettings) -> Calibration | None:
+    """The calibration of the served model for this device (``CalibrationMismatch`` naming what differs
+    when it was made for other weights or another kind of device), or None: uncalibrated (said)."""
+    from services.worker.profiling import device_name
+
+    calibration = of_service(settings, device=settings.device, device_name=device_name(settings.device))
+    if calibration is None:
+        logger.warning(uncalibrated_message(settings.model_dir))
+    else:
+        logger.info("calibration %s", calibration.label)
+    return calibration
+
+
+def served_profile(settings: WorkerSettings, calibration: Calibration | None,
+                   engine) -> tuple[str, OnlineProfile | None]:
+    """(the calibration's profile, None) or, for a worker that names no profile of its own and serves an
+    uncalibrated model, ("", the step times measured now, kept current as it serves)."""
+    if settings.pace_profile or settings.profile:
+        return "", None
+    if calibration is not None:
+        return str(calibration.profile_path), None
+    return "", OnlineProfile.measured(engine, settings.max_batch)
+
+
 async def warm_up(engine) -> None:
     """The engine's first forwards (and whatever it prepares then), in a thread, before the worker
     heartbeats READY: the first request served must not pay for them."""
@@ -801,6 +843,7 @@ async def serve(settings: WorkerSettings) -> None:
     from shared.state import RedisStateStore
 
     check_device(settings)
+    calibration = served_calibration(settings)  # refused before the model loads when made for another
     setup_tracing("dls-worker", settings)
     engine = await asyncio.to_thread(make_engine, settings)
     logger.info("engine on %s: GPUs %s of the machine (%s=%s)", settings.device,
@@ -811,10 +854,12 @@ async def serve(settings: WorkerSettings) -> None:
         engine.set_kv_budget(budget)
         logger.info("KV cache budget: %d bytes per GPU", budget)
     await warm_up(engine)
+    profile, online = await asyncio.to_thread(served_profile, settings, calibration, engine)
     nc = await connect_nats(settings, "dls-worker")
     store = RedisStateStore.from_url(settings.redis_url, settings.redis_key_prefix)
     service = WorkerService(settings, engine, nc, store,
-                            beat_connect=functools.partial(connect_nats, settings, "dls-worker-heartbeat"))
+                            beat_connect=functools.partial(connect_nats, settings, "dls-worker-heartbeat"),
+                            profile=profile, online=online)
     on_stop_signals(service.drain)
     await service.start()
     try:

@@ -40,6 +40,18 @@ class KVMemory(Part, kw_only=True):
     page_tokens: int = 0  # positions per page
 
 
+class MeasuredSteps(Part, kw_only=True):
+    """Step times a worker measured itself (ms per batch size), for a model served without a
+    calibration: the scheduler plans the instance with them (``shared.profiles.online_profile``)."""
+
+    context_tokens: int  # the context its recompute times apply at
+    block_length: int  # the model's default block
+    recompute_ms: dict[int, float]  # batch size -> a recompute step's time (a block start with a KV cache)
+    cache_ms: dict[int, float]  # batch size -> a cache step's time
+    full_ms: dict[int, float] = {}  # batch size -> a step with no cache
+    served_steps: int = 0  # served steps folded in since it started
+
+
 class WorkerHeartbeat(Message, kw_only=True):
     """A worker's lease: it is alive and serving ``model`` for ``ttl_s`` after this heartbeat *arrives*
     (on the receiver's clock: ``shared.leases``; ``sent_at`` is informational, hosts' clocks differ)."""
@@ -63,6 +75,7 @@ class WorkerHeartbeat(Message, kw_only=True):
     seq: int = 0  # counts this process's heartbeats from 1 (orders them; 0: a sender that does not count)
     step_running_s: float = 0.0  # how long its current step has been computing (s, its monotonic clock); 0: idle
     kv: KVMemory | None = None  # its KV pool (None: an engine that keeps none)
+    measured: MeasuredSteps | None = None  # with no profile (uncalibrated): the step times it measures
 
 
 class Arrival(Part, kw_only=True):

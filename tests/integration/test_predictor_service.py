@@ -23,7 +23,7 @@ from shared.subjects import Subjects
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
-MODEL_DIR = REPO / "models" / "dls-tiny" / "predictor"
+MODEL_DIR = REPO / "models" / "dls-tiny"
 
 
 def queries() -> list[PredictionQuery]:

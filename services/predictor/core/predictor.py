@@ -166,6 +166,32 @@ class OneShotPredictor:
         return _assemble(queries, thresholds, aged, np.minimum(recompute, aged), [q.num_steps_done for q in queries])
 
 
+class BoundPredictor:
+    """For a model with no trained predictor (uncalibrated, ``shared.calibration``): the most steps a
+    request can still take, whatever the threshold. Every step commits at least one position, so the
+    masked positions left bound the steps; with a cache, each block left starts with a recompute step.
+    It plans nobody optimistically; a predictor trained on the model's traces replaces it."""
+
+    version = "uncalibrated:bound"
+
+    def predict(self, queries: Sequence[PredictionQuery], thresholds: Sequence[float]) -> list[StepPrediction]:
+        if not len(thresholds):
+            raise ValueError("no candidate thresholds to predict for")
+        out = []
+        for q in queries:
+            left = max(q.gen_length - q.num_committed, 1)
+            if not q.uses_cache:
+                steps = RemainingSteps(float(left), 0.0)
+            else:
+                done_blocks = q.num_committed // q.block_length  # whole blocks committed
+                blocks = max(-(-q.gen_length // q.block_length) - done_blocks, 1)
+                in_block = q.num_committed % q.block_length  # the open block started: no recompute for it
+                recompute = blocks - (1 if in_block else 0)
+                steps = RemainingSteps(float(recompute), float(left - recompute))
+            out.append(StepPrediction(q.request_id, q.num_steps_done, {float(tau): steps for tau in thresholds}))
+        return out
+
+
 def _threshold_rows(base_rows: list[list[float]], thresholds: Sequence[float]) -> np.ndarray:
     """Each base row repeated once per threshold, with the threshold column set (query-major)."""
     if not len(thresholds):

@@ -85,11 +85,15 @@ class InstanceTable:
         self.max_batch[row] = inst.max_batch
         self.mem_limit[row] = inst.mem_limit_tokens
         self.mem_free[row] = inst.mem_limit_tokens
+        self.time(inst, row)
+        return row
+
+    def time(self, inst: InstanceView, row: int) -> None:
+        """(Re-)derive a row's latencies per batch size from its instance's profile."""
         for kind in StepCost:
             for b in range(1, inst.max_batch + 1):
                 self.lat_by_batch[kind, row, b] = inst.latency(kind, b)
-        self.refresh(row, 0)
-        return row
+        self.refresh(row, int(self.batch[row]))
 
     def refresh(self, row: int, batch: int) -> None:
         """Re-derive a row's cached latencies after its batch (or liveness) changed."""
@@ -191,6 +195,12 @@ class ClusterView:
         self.instances[instance_id] = inst
         self.num_instance_changes += 1
         return inst
+
+    def set_profile(self, instance_id: str, profile: LatencyProfile) -> None:
+        """Plan an instance with a new profile from now on (its worker's measured step times moved)."""
+        inst = self.instances[instance_id]
+        inst.profile = profile
+        self.table.time(inst, inst.row)
 
     def drain_instance(self, instance_id: str) -> None:
         """Stop placing new work on an instance; its requests move away at their next step."""

@@ -1,0 +1,117 @@
+"""A checkpoint served without a calibration, as a new user serves theirs: ``dls up`` and ``/v1/models``
+say it is uncalibrated and how to calibrate it, the workers plan with the step times they measure,
+and under overload no request runs below the highest candidate threshold; a calibration made for
+other weights is refused before anything starts, naming what differs."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from shared.runtime import free_port
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+BUNDLED = REPO / "models" / "dls-tiny"
+
+
+def uncalibrated_copy(tmp_path: Path, name: str = "uncal") -> Path:
+    """The bundled model's weights, config and tokenizer, with no calibration bundle."""
+    copy = tmp_path / name
+    shutil.copytree(BUNDLED, copy, ignore=shutil.ignore_patterns("calibration", "replay", "MODEL_CARD.md"))
+    return copy
+
+
+def _get(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=30) as reply:
+        return json.loads(reply.read())
+
+
+def _post(url: str, body: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, DLS_NATS_URL=f"nats://127.0.0.1:{free_port()}",
+                DLS_REDIS_URL=f"redis://127.0.0.1:{free_port()}/0")
+
+
+def test_an_uncalibrated_model_is_said_so_and_never_served_below_the_highest_threshold(tmp_path):
+    model = uncalibrated_copy(tmp_path)
+    port = free_port()
+    argv = [sys.executable, "-m", "services.cli", "up", "--port", str(port), "--workers", "2", "--model", str(model),
+            "--run-dir", str(tmp_path / "stack")]
+    process = subprocess.Popen(argv, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        url = None
+        deadline = time.monotonic() + 240
+        while url is None and time.monotonic() < deadline:
+            line = process.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            if "is serving" in line:
+                url = line.rsplit(" at ", 1)[1].strip()
+        said = "".join(lines)
+        assert url == f"http://127.0.0.1:{port}", said
+        assert "calibration: NONE" in said and "dls calibrate --model" in said and "UNCALIBRATED" in said, said
+        [card] = _get(f"{url}/v1/models")["data"]
+        assert card["id"] == "uncal" and card["calibration"]["calibrated"] is False
+        assert "dls calibrate --model" in card["calibration"]["how_to"]
+
+        # overload: far more requests than two CPU workers serve within a 300 ms SLO, all at once
+        body = {"model": "uncal", "prompt": "12+30=", "max_tokens": 64, "slo_ms": 300}
+        with concurrent.futures.ThreadPoolExecutor(48) as pool:
+            replies = list(pool.map(lambda _: _post(f"{url}/v1/completions", body), range(96)))
+        served = [answer for status, answer in replies if status == 200]
+        assert served, replies[:3]
+        missed = [answer for answer in served if not answer["usage"]["slo_met"]]
+        assert missed or len(served) < len(replies), "not overloaded: the check proves nothing"
+        thresholds = {t for answer in served for t in answer["usage"]["thresholds"]}
+        assert thresholds == {0.9}, thresholds  # quality first: no lowering without a measured curve
+        assert all(status in (200, 429, 503) for status, _ in replies), [s for s, _ in replies]
+    finally:
+        process.send_signal(signal.SIGINT)
+        try:
+            process.wait(90)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            raise
+    logs = tmp_path / "stack" / "logs"
+    assert "is uncalibrated" in (logs / "scheduler.log").read_text()
+    assert "most steps a request can take" in (logs / "predictor.log").read_text()
+    workers = [p.read_text() for p in logs.glob("*.log") if "measured the step times" in p.read_text()]
+    assert len(workers) == 2  # each worker measured its own step times for the scheduler
+
+
+def test_a_calibration_made_for_other_weights_is_refused_before_anything_starts(tmp_path):
+    model = uncalibrated_copy(tmp_path, "other")
+    shutil.copytree(BUNDLED / "calibration", model / "calibration")
+    weights = model / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-16:] = bytes(16)  # other weights (the sampled end of the file)
+    weights.write_bytes(bytes(data))
+    argv = [sys.executable, "-m", "services.cli", "up", "--port", str(free_port()), "--model", str(model),
+            "--run-dir", str(tmp_path / "stack")]
+    done = subprocess.run(argv, env=_env(), capture_output=True, text=True, timeout=120)
+    said = done.stdout + done.stderr
+    assert done.returncode != 0, said
+    assert "weights" in said and "made for another model or device" in said and "dls calibrate" in said, said
+    assert not (tmp_path / "stack" / "logs").exists()  # nothing was started
