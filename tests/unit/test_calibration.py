@@ -20,7 +20,13 @@ from shared.calibration import CalibrationError, CalibrationMismatch
 from shared.messages import codec
 from shared.messages.control import MeasuredSteps, WorkerHeartbeat
 from shared.profiles import LatencyProfile
-from shared.settings import GatewaySettings, PredictorSettings, ReconfiguratorSettings, SchedulerSettings, WorkerSettings
+from shared.settings import (
+    GatewaySettings,
+    PredictorSettings,
+    ReconfiguratorSettings,
+    SchedulerSettings,
+    WorkerSettings,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 BUNDLED = REPO / "models" / "dls-tiny"
@@ -174,8 +180,8 @@ def test_the_scheduler_refuses_a_calibration_made_for_other_weights(recalibrated
 
 
 def test_the_predictor_answers_with_the_calibrations_predictor_or_the_bound(recalibrated, uncalibrated, tmp_path):
-    from services.predictor.service import PredictorService, model_version
     from services.predictor.core.model import StepModel
+    from services.predictor.service import PredictorService, model_version
 
     service = PredictorService(PredictorSettings(model_dir=str(recalibrated)), nc=None)
     service.load_models()
