@@ -318,8 +318,9 @@ def wait_ready(url: str, stack: Stack, timeout_s: float) -> None:
 
 
 def describe_calibration(args, placement: Placement) -> str:
-    """What ``dls up`` says of the served model's calibration; ``CliError`` naming what differs when it was
-    made for other weights or another kind of device (``shared.calibration``), before anything starts."""
+    """What ``dls up`` says of the served model's calibration (and of its profile where it was measured on
+    another kind of device); ``CliError`` naming what differs when it was made for other weights
+    (``shared.calibration``), before anything starts."""
     device = placement.device if placement.gpus is None else f"cuda:{placement.gpus[0]}"
     gpu_name = None
     if placement.gpus is not None:
@@ -327,12 +328,14 @@ def describe_calibration(args, placement: Placement) -> str:
 
         gpu_name = device_name(device)
     try:
-        calibration = find(args.model, getattr(args, "calibration", "") or None, device, gpu_name)
+        calibration = find(args.model, getattr(args, "calibration", "") or None)
     except CalibrationError as exc:
         raise CliError(f"--model {args.model}: {exc}") from None
     if calibration is None:
         return f"{UNCALIBRATED}. {uncalibrated_message(args.model)}"
-    return f"calibration: {calibration.label}"
+    refusal = calibration.profile_refusal(device, gpu_name) if not getattr(args, "pace", None) else None
+    return f"calibration: {calibration.label}" + (f"\n  {refusal}; the workers measure their step times" if refusal
+                                                   else "")
 
 
 def _auth_line(env: dict[str, str]) -> str:

@@ -12,8 +12,11 @@ model's directory (``<model>/calibration/``; ``DLS_CALIBRATION_DIR`` or ``--out`
       quality.json      accuracy per candidate threshold (``services.scheduler.core.threshold``)
 
 Every service finds the bundle of the model it serves through ``find`` (the model directory and
-``DLS_CALIBRATION_DIR``), and refuses one made for other weights or another kind of device
-(``CalibrationMismatch``, naming what differs). A model with no bundle is *uncalibrated*: the
+``DLS_CALIBRATION_DIR``, ``ServiceSettings.calibration_dir``), and refuses one made for other weights
+or another tokenizer (``CalibrationMismatch``, naming what differs). Its quality curve and predictor
+follow the weights; its profile follows the device too, so a worker on another kind of device (or
+another GPU model) refuses the profile alone, naming the difference (``profile_refusal``), and
+measures its step times instead, as for an uncalibrated model. A model with no bundle is *uncalibrated*: the
 services say so and serve it without steering blind (the highest candidate threshold only, step
 times the workers measure, a model-free bound on the steps left; README "Serving your own
 checkpoint").
@@ -141,6 +144,18 @@ class Calibration:
         """One line for logs: where, for what, when."""
         return (f"{self.directory} ({self.made_for.get('model', '?')} on {self.device} "
                 f"{self.device_name}, made {self.manifest.get('created', '?')})")
+
+    def profile_refusal(self, device: str, device_name: str | None = None) -> str | None:
+        """Why its profile does not time steps on ``device`` (another kind of device, or on CUDA another
+        GPU model), or None."""
+        if device_kind(device) != self.device:
+            difference = f"device {self.device} vs {device_kind(device)}"
+        elif device_name and self.device == "cuda" and self.device_name and device_name != self.device_name:
+            difference = f"GPU {self.device_name!r} vs {device_name!r}"
+        else:
+            return None
+        return (f"the profile of {self.directory} was measured on another device ({difference}): not used; "
+                f"calibrate for this one: dls calibrate --model <model> --device {device_kind(device)} --only profile")
 
     def check(self, model_dir: str | Path, device: str | None = None, device_name: str | None = None) -> None:
         """Refuse (``CalibrationMismatch``) a bundle made for other weights, another tokenizer or, where

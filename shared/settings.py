@@ -369,8 +369,10 @@ def env_vars(settings_cls: type[BaseSettings]) -> dict[str, str]:
     out = {}
     for name, info in settings_cls.model_fields.items():
         alias = info.validation_alias
-        if isinstance(alias, AliasChoices):  # its own variable first (DLS_MODEL_DIR is documented apart)
-            alias = alias.choices[0]
+        if isinstance(alias, AliasChoices):  # its own variable, then the shared one (DLS_MODEL_DIR)
+            for choice in alias.choices:
+                out.setdefault(str(choice), info.description or "")
+            continue
         alias = alias if isinstance(alias, str) else None
         out[alias or f"{ENV_PREFIX}{name}".upper()] = info.description or ""
     return out

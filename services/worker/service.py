@@ -806,11 +806,9 @@ def check_device(settings: WorkerSettings) -> None:
 
 
 def served_calibration(settings: WorkerSettings) -> Calibration | None:
-    """The calibration of the served model for this device (``CalibrationMismatch`` naming what differs
-    when it was made for other weights or another kind of device), or None: uncalibrated (said)."""
-    from services.worker.profiling import device_name
-
-    calibration = of_service(settings, device=settings.device, device_name=device_name(settings.device))
+    """The calibration of the served model (``CalibrationMismatch`` naming what differs when it was made
+    for other weights), or None: uncalibrated (said)."""
+    calibration = of_service(settings)
     if calibration is None:
         logger.warning(uncalibrated_message(settings.model_dir))
     else:
@@ -821,11 +819,17 @@ def served_calibration(settings: WorkerSettings) -> Calibration | None:
 def served_profile(settings: WorkerSettings, calibration: Calibration | None,
                    engine) -> tuple[str, OnlineProfile | None]:
     """(the calibration's profile, None) or, for a worker that names no profile of its own and serves an
-    uncalibrated model, ("", the step times measured now, kept current as it serves)."""
+    uncalibrated model (or one whose profile was measured on another kind of device or GPU: refused,
+    said), ("", the step times measured now, kept current as it serves)."""
     if settings.pace_profile or settings.profile:
         return "", None
     if calibration is not None:
-        return str(calibration.profile_path), None
+        from services.worker.profiling import device_name
+
+        refusal = calibration.profile_refusal(settings.device, device_name(settings.device))
+        if refusal is None:
+            return str(calibration.profile_path), None
+        logger.warning("%s; this worker measures its step times instead", refusal)
     return "", OnlineProfile.measured(engine, settings.max_batch)
 
 

@@ -91,6 +91,9 @@ def test_a_bundle_for_another_gpu_model_is_refused(recalibrated):
     gpu.check(recalibrated, "cuda:0", "NVIDIA H200")
     with pytest.raises(CalibrationMismatch, match="GPU 'NVIDIA H200' vs 'NVIDIA H100 80GB HBM3'"):
         gpu.check(recalibrated, "cuda:0", "NVIDIA H100 80GB HBM3")
+    assert gpu.profile_refusal("cuda:1", "NVIDIA H200") is None
+    assert "GPU 'NVIDIA H200' vs 'NVIDIA H100 80GB HBM3'" in gpu.profile_refusal("cuda:0", "NVIDIA H100 80GB HBM3")
+    assert "device cuda vs cpu" in gpu.profile_refusal("cpu")
 
 
 # --- the worker ----------------------------------------------------------------------------------
@@ -128,11 +131,16 @@ def test_the_worker_of_an_uncalibrated_model_measures_its_step_times_and_sends_t
     assert beat.measured.served_steps == 1 and beat.measured.cache_ms[2] == pytest.approx(before * 2.8, rel=1e-3)
 
 
-def test_a_worker_refuses_a_calibration_made_for_another_device(recalibrated):
-    from services.worker.service import served_calibration
+def test_a_worker_on_another_device_refuses_the_calibrations_profile_and_measures_its_own(recalibrated, caplog):
+    from services.worker.engine import DLMEngine
+    from services.worker.service import served_calibration, served_profile
 
-    with pytest.raises(CalibrationMismatch, match="device cpu vs cuda"):
-        served_calibration(WorkerSettings(model_dir=str(recalibrated), device="cuda"))
+    settings = WorkerSettings(model_dir=str(recalibrated), device="cuda", max_batch=2)
+    found = served_calibration(settings)  # its quality curve and predictor follow the weights: kept
+    assert found is not None
+    profile, online = served_profile(settings, found, DLMEngine.from_pretrained(recalibrated))
+    assert profile == "" and sorted(online.ms["recompute_ms"]) == [1, 2]
+    assert "measured on another device (device cpu vs cuda): not used" in caplog.text
 
 
 # --- the scheduler -------------------------------------------------------------------------------
