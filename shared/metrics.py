@@ -209,6 +209,15 @@ class SchedulerMetrics:
                              [MODEL_LABEL], registry=r)
         self.waiting = Gauge("dls_num_requests_waiting", "admitted requests waiting for an instance",
                              [MODEL_LABEL], registry=r)
+        self.shadow_steps = Counter("dls_scheduler_shadow_steps", "request-steps of shadow decodings (in "
+                                    "dls_scheduler_request_steps too)", registry=r)
+        self.shadow_agreement = Gauge("dls_scheduler_shadow_agreement", "share of shadow decodings whose answer "
+                                      "equals the served one, by the lowest threshold it was served at",
+                                      ["threshold"], registry=r)
+        self.shadow_decodings = Counter("dls_scheduler_shadow_decodings", "shadow decodings judged, by the lowest "
+                                        "threshold the request was served at", ["threshold"], registry=r)
+        self.quality_floor = Gauge("dls_scheduler_quality_floor", "lowest candidate threshold shadow decoding "
+                                   "still allows (0: any)", registry=r)
 
     def set_instances(self, tp_to_count: dict[int, int]) -> None:
         """Live instances per TP degree (degrees seen before and now gone read 0)."""

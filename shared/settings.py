@@ -194,6 +194,18 @@ class SchedulerSettings(ServiceSettings):
                              "pipelining: a command may run again up to this many steps where its worker has no "
                              "newer one in hand when a step ends (the scheduler lags behind the workers); 0: never",
                              ge=0)
+    shadow_rate: float = _own("scheduler", "shadow_rate", 0.01,
+                              "share of finished requests that ran below the highest candidate threshold decoded "
+                              "again at the highest, at the lowest priority (only in a free slot), to watch the "
+                              "quality curve's promise (services/scheduler/core/quality_watch.py); 0: off", ge=0, le=1)
+    shadow_max_in_flight: int = _own("scheduler", "shadow_max_in_flight", 4,
+                                     "most shadow decodings queued or running at once", ge=0)
+    shadow_min_samples: int = _own("scheduler", "shadow_min_samples", 20,
+                                   "shadow decodings a threshold needs before its agreement can tighten the "
+                                   "candidates", gt=0)
+    shadow_tolerance_pp: float = _own("scheduler", "shadow_tolerance_pp", 2.0,
+                                      "a threshold whose agreement falls more than this many points below what the "
+                                      "curve promised leaves the candidates, with every one below it", ge=0)
     stats_interval_s: float = _own("scheduler", "stats_interval_s", 10.0, "period of workload stats", gt=0)
     completed_ttl_s: float = _own("scheduler", "completed_ttl_s", DEFAULT_COMPLETED_TTL_S,
                                   "finished requests stay in Redis this long", gt=0)

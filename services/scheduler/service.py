@@ -27,6 +27,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,6 +52,7 @@ from services.scheduler.core import (
     make_policy,
 )
 from services.scheduler.core.decisions import RejectReason
+from services.scheduler.core.quality_watch import QualityWatch, promised_agreement
 from services.scheduler.core.threshold import candidates_from_quality, canvas_floors
 from shared.calibration import of_service, uncalibrated_message
 from shared.jetstream import JETSTREAM_TRANSIENT_ERRORS, IntakeConsumer, IntakeDelivery, ensure_intake_stream
@@ -104,6 +106,7 @@ class _Telemetry:
     threshold_sum: float = 0.0  # thresholds of its steps since that prediction, summed
     num_threshold_steps: int = 0  # and counted
     last_threshold: float | None = None  # of its last step
+    lowest_threshold: float = 1.0  # the lowest its steps ran at (shadow decoding samples by it)
     first_output_at: float | None = None  # when its first block was committed (TTFT)
     last_output_at: float | None = None  # when its latest block was committed (inter-token latency)
 
@@ -245,6 +248,12 @@ class SchedulerService:
         self._owed: PendingResults | None = None  # results handled whose pass is queued in _deferred, merged
         self._threshold_samples: list[float] = []  # step thresholds not yet in the histogram
         self._predictor_down_until = 0.0  # no predict calls before this (the last one got no reply)
+        # shadow decoding (core.quality_watch): None without a measured curve or a lower candidate
+        self.quality_watch = quality_watch(settings, quality, self.loop.policy) if quality is not None else None
+        # shadow id -> (the lowest threshold it was served at, its answer; None: not to judge)
+        self._shadows: dict[str, tuple[float, list[int] | None]] = {}
+        self._rng = random.Random(settings.shard)
+        self._eos_id = read_eos_token_id(settings.model_dir)
 
     @property
     def counters(self) -> dict[str, int]:
@@ -426,6 +435,9 @@ class SchedulerService:
         loaded = await retry_transient(lambda: self.store.load_many(ids), "loading in-flight requests", logger)
         records = [r for r in loaded if r is not None and not r.is_terminal and self._owns(r.request_id)]
         requests = [self._track(r) for r in records if r.request_id not in self.live]
+        for record in records:  # a shadow decoding an earlier scheduler started: finished, never judged
+            if record.request_id.startswith(SHADOW_PREFIX):
+                self._shadows.setdefault(record.request_id, (1.0, None))
         if requests:
             logger.info("resuming %d in-flight requests from Redis", len(requests))
             self._carry_out(self.core.on_arrivals(self.clock(), requests))
@@ -655,8 +667,7 @@ class SchedulerService:
 
     def _finish_results(self, pending: PendingResults) -> None:
         if self._waits_for_predictions(pending.stepped_ids):
-            self._tasks = [t for t in self._tasks if not t.done()]
-            self._tasks.append(asyncio.create_task(self._finish_after_predictions(pending)))
+            self._spawn(self._finish_after_predictions(pending))
         else:
             self._carry_out(self.core.finish_results(self.clock(), pending))
             self._ask_predictions(pending.stepped_ids)
@@ -702,12 +713,19 @@ class SchedulerService:
             if telemetry is None:
                 continue  # cancelled while its step ran
             num_observed += 1
+            if r.request_id in self._shadows:  # a shadow decoding: counted apart, judged when it ends
+                self.metrics.shadow_steps.inc()
+                if r.finished:
+                    self.live.pop(r.request_id, None)
+                    self._spawn(self._judge_shadow(r.request_id))
+                continue
             window["threshold_sum"] += r.threshold
             window["steps"] += 1
             self._threshold_samples.append(r.threshold)
             telemetry.threshold_sum += r.threshold
             telemetry.num_threshold_steps += 1
             telemetry.last_threshold = r.threshold
+            telemetry.lowest_threshold = min(telemetry.lowest_threshold, r.threshold)
             if r.block_done or r.finished:
                 self._observe_output(telemetry, now)
             if r.finished:
@@ -715,10 +733,59 @@ class SchedulerService:
                 window["finished"] += 1
                 window["slo_met"] += now <= telemetry.deadline
                 self._observe_finish(r.request_id, telemetry, r.num_steps, now, r.num_answer_tokens)
+                watch = self.quality_watch
+                if (watch is not None and len(self._shadows) < self.settings.shadow_max_in_flight
+                        and watch.wants(telemetry.lowest_threshold, self._rng.random())):
+                    self._spawn(self._start_shadow(r.request_id, telemetry.lowest_threshold))
         if num_observed:
             self.metrics.steps.inc(num_observed)
             if len(self._threshold_samples) == num_observed:  # the first of this batch: observe them later
                 self._after_dispatch(self._observe_thresholds)
+
+    # --- shadow decoding (core.quality_watch) ----------------------------------------------------
+
+    def _spawn(self, coroutine) -> None:
+        self._tasks = [t for t in self._tasks if not t.done()]
+        self._tasks.append(asyncio.create_task(coroutine))
+
+    async def _start_shadow(self, request_id: str, lowest: float) -> None:
+        """Decode a finished request again at the highest candidate, at the lowest priority: it waits for
+        a free slot and load control visits it last, so it lowers nobody's threshold."""
+        record = await retry_transient(lambda: self.store.load(request_id), f"loading {request_id}", logger)
+        if record is None or record.status != RequestStatus.FINISHED or self.quality_watch is None:
+            return
+        now = self.clock()
+        shadow = shadow_record(record, self.quality_watch.top, now)
+        try:
+            stored = await self.store.create(shadow)
+        except Exception as exc:  # noqa: BLE001 (a shadow is optional: skip it)
+            logger.warning("shadow decoding of %s not started: %s", request_id, exc)
+            return
+        self._shadows[stored.request_id] = (lowest, record.answer(self._eos_id).token_ids)
+        self._carry_out(self.core.on_arrivals(now, [self._track(stored)]))
+        self._ask_predictions([stored.request_id])
+
+    async def _judge_shadow(self, shadow_id: str) -> None:
+        lowest, served = self._shadows.pop(shadow_id)
+        if served is None or self.quality_watch is None:
+            return
+        record = await retry_transient(lambda: self.store.load(shadow_id), f"loading {shadow_id}", logger)
+        if record is None or record.status != RequestStatus.FINISHED:
+            return
+        watch = self.quality_watch
+        agreed = record.answer(self._eos_id).token_ids == served
+        key = watch.observe(lowest, agreed)
+        self.metrics.shadow_decodings.labels(threshold=str(key)).inc()
+        self.metrics.shadow_agreement.labels(threshold=str(key)).set(watch.agreement(key))
+        floor = watch.floor()
+        grid = self.loop.policy.grid
+        if floor > grid.quality_floor:
+            logger.warning("shadow decoding: answers served at %s agreed with the highest threshold's %.1f%% of %d "
+                           "times, below the %.1f%% the quality curve promised: candidates below %s withdrawn",
+                           key, 100 * watch.agreement(key), watch.counts[key][1], 100 * watch.promised.get(key, 1.0),
+                           floor)
+            grid.quality_floor = floor
+            self.metrics.quality_floor.set(floor)
 
     def _observe_thresholds(self) -> None:
         """The step thresholds' histogram, filled once the step commands are out (off the hot path)."""
@@ -754,8 +821,7 @@ class SchedulerService:
             return  # the last call got no reply: no predictor for a while (the core keeps its estimates)
         queries = self.core.queries(request_ids)
         if queries:
-            self._tasks = [t for t in self._tasks if not t.done()]
-            self._tasks.append(asyncio.create_task(self._predict(queries)))
+            self._spawn(self._predict(queries))
 
     async def _predict(self, queries: list[PredictionQuery]) -> None:
         predictions = await self._request_predictions(queries, self.settings.predictor_timeout_s)
@@ -829,6 +895,7 @@ class SchedulerService:
         await self._fail(request_id, reason, detail, seq=num_steps + 2)
 
     async def _fail(self, request_id: str, reason: FailureReason, detail: str, seq: int) -> None:
+        self._shadows.pop(request_id, None)  # a shadow decoding refused or lost: nobody waits for it
         await self._publish_event(RequestFailed(request_id=request_id, seq=seq, reason=reason, detail=detail))
 
     async def _publish_event(self, event) -> None:
@@ -998,6 +1065,48 @@ def _invalid(request: CompletionRequest) -> str:
     if request.logprobs is not None and not 0 <= request.logprobs <= 20:
         return "logprobs must be in 0..20"
     return ""
+
+
+SHADOW_PRIORITY = -(10**6)  # below any client's: a shadow decoding takes a slot nobody else wants
+SHADOW_PREFIX = "shadow-"
+SHADOW_SLO_S = 3600.0
+
+
+def shadow_record(record: RequestRecord, top: float, now: float) -> RequestRecord:
+    """A finished request's prompt and generation settings as a fresh request fixed at ``top``."""
+    return RequestRecord(
+        request_id=f"{SHADOW_PREFIX}{record.request_id}", prompt_token_ids=list(record.prompt_token_ids),
+        canvas=[record.mask_token_id] * record.gen_length, mask_token_id=record.mask_token_id,
+        gen_length=record.gen_length, block_length=record.block_length, cache_mode=record.cache_mode,
+        max_tokens=record.max_tokens, ignore_eos=record.ignore_eos, arrival_time=now,
+        deadline=now + SHADOW_SLO_S, slo_ms=SHADOW_SLO_S * 1000, priority=SHADOW_PRIORITY,
+        min_threshold=top, max_threshold=top, seed=record.seed, temperature=record.temperature,
+        top_p=record.top_p, top_k=record.top_k, stop=list(record.stop), model=record.model, owner="shadow",
+    )
+
+
+def quality_watch(settings: SchedulerSettings, quality: ServedQuality, policy) -> QualityWatch | None:
+    """The watch over the served model's quality curve (its short mix, ``accuracy``), or None: shadow
+    decoding off, no measured curve, or no candidate below the highest."""
+    grid = getattr(policy, "grid", None)
+    if settings.shadow_rate <= 0 or quality.curves is None or grid is None or len(grid.values) < 2:
+        return None
+    curve = quality.curves.get("accuracy")
+    if not isinstance(curve, dict):
+        return None
+    source = str(quality.curves.get("source", "labelled"))
+    return QualityWatch(grid.values, promised_agreement(curve, source, grid.values), settings.shadow_min_samples,
+                        settings.shadow_tolerance_pp / 100.0, settings.shadow_rate)
+
+
+def read_eos_token_id(model_dir: str) -> int | None:
+    """The EOS id of the model's config.json (None: none, or a list of them)."""
+    try:
+        raw = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    eos = raw.get("eos_token_id")
+    return eos if isinstance(eos, int) else None
 
 
 def read_mask_token_id(model_dir: str) -> int:

@@ -22,10 +22,12 @@ class ThresholdGrid:
 
     ``canvas_floors`` maps a canvas length to the lowest threshold the quality budget allows on it
     (the function ``canvas_floors``): a request's range starts no lower than its canvas's floor, so
-    a request on a canvas where the model is weaker keeps the budget there too."""
+    a request on a canvas where the model is weaker keeps the budget there too. ``quality_floor``
+    is the lowest threshold shadow decoding still allows (``core.quality_watch``; 0.0: any)."""
 
     def __init__(self, thresholds: Sequence[float], canvas_floors: Mapping[int, float] | None = None) -> None:
         self.canvas_floors = {int(c): float(f) for c, f in (canvas_floors or {}).items()}
+        self.quality_floor = 0.0
         values = sorted(set(float(t) for t in thresholds))
         if not values or values[0] <= 0 or values[-1] > 1:
             raise ValueError(f"candidate thresholds must be in (0, 1]: {thresholds}")
@@ -47,7 +49,7 @@ class ThresholdGrid:
         """(lowest, highest) allowed index for a request; lowest > highest when none is allowed. The
         floor is the request's own or its canvas's, whichever is higher (a canvas floor never above
         the highest candidate: it narrows a range, it cannot empty one)."""
-        floor = min(canvas_floor(self.canvas_floors, request.gen_len), self.values[-1])
+        floor = min(max(canvas_floor(self.canvas_floors, request.gen_len), self.quality_floor), self.values[-1])
         return self.floor_index(max(request.min_threshold, floor)), self.ceil_index(request.max_threshold)
 
     def nearest_index(self, threshold: float, lo: int, hi: int) -> int:
