@@ -33,6 +33,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 
+from services.gateway.answers import calibration_info
 from services.gateway.schemas import LISTING_ERRORS, READ_ERRORS
 from shared.messages.control import WorkerStatus
 from shared.messages.events import RequestEvent, RequestFailed, RequestFinished, RequestProgress
@@ -132,6 +133,7 @@ class ClusterMonitor:
                 "model": hb.model, "status": WorkerStatus(hb.status).name, "num_resident": hb.num_resident,
                 "max_batch": hb.max_batch, "load": hb.num_resident / hb.max_batch if hb.max_batch else None,
                 "profile_scale": hb.profile_scale, "last_threshold": seen.last_threshold,
+                "profile": hb.profile or ("measured by its worker" if hb.measured is not None else ""),
                 "last_step_age_s": None if seen.last_step_at is None else now - seen.last_step_at,
                 "steps_seen": seen.steps,
                 "heartbeat_age_s": (heard_s or {}).get(hb.instance_id, max(0.0, now - hb.sent_at)),
@@ -276,6 +278,7 @@ def mount_dashboard(app: FastAPI, gateway, clock: Callable[[], float] = time.tim
         state = await gateway.bus.readiness()
         served = {m.name for m in gateway.preparer.catalogue.models}
         body = monitor.snapshot(state.workers, served, state.heard_s)
+        body["calibration"] = {m.name: calibration_info(m).model_dump() for m in gateway.preparer.catalogue.models}
         body["ready"] = {"nats": state.nats_connected, "redis": state.redis_ok, "detail": dict(state.detail)}
         return body
 

@@ -75,6 +75,9 @@ def test_an_uncalibrated_model_is_said_so_and_never_served_below_the_highest_thr
         [card] = _get(f"{url}/v1/models")["data"]
         assert card["id"] == "uncal" and card["calibration"]["calibrated"] is False
         assert "dls calibrate --model" in card["calibration"]["how_to"]
+        cluster = _get(f"{url}/v1/cluster")  # the dashboard's data: it shows a banner from it
+        assert cluster["calibration"]["uncal"]["calibrated"] is False
+        assert {i["profile"] for i in cluster["instances"]} == {"measured by its worker"}
 
         # overload: far more requests than two CPU workers serve within a 300 ms SLO, all at once
         body = {"model": "uncal", "prompt": "12+30=", "max_tokens": 64, "slo_ms": 300}

@@ -79,6 +79,9 @@
     $("load-detail").textContent = body.load.resident + " resident on instances, batch capacity " + body.load.capacity;
     $("tp").textContent = body.instances.length + " instance" + (body.instances.length === 1 ? "" : "s");
     $("tp-detail").textContent = Object.entries(body.tp_degrees).map(([tp, n]) => n + " × TP-" + tp).join(", ") || "none";
+    const uncalibrated = Object.entries(body.calibration || {}).filter(([, c]) => !c.calibrated);
+    $("calibration").hidden = !uncalibrated.length;
+    $("calibration").textContent = uncalibrated.map(([m, c]) => m + " is uncalibrated: served at the highest candidate threshold only, planned with the step times its workers measure. Calibrate it: " + c.how_to).join(" ");
     instances(body); sloChart(s.series, s.bucket_s); thresholdChart(body.thresholds); requests(body);
     document.body.dataset.loaded = "1";
     setTimeout(refresh, 2000);

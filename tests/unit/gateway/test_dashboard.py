@@ -79,6 +79,7 @@ def test_cluster_route_shows_instances_and_outcomes():
     # ages from when the heartbeats arrived, not from the workers' sent_at (0.0 in these heartbeats)
     assert [i["heartbeat_age_s"] for i in body["instances"]] == [1.5, 0.25]
     assert body["slo"]["finished"] == 2 and body["slo"]["attainment"] == 1.0 and body["load"]["in_flight"] == 0
+    assert body["calibration"]["dls-tiny"]["calibrated"] is True  # the bundled model ships its calibration
     assert body["instances"][0]["last_threshold"] == 0.9  # from the streamed request's progress events
     assert len(body["recent_requests"]) == 2 and body["thresholds"]["steps"] > 0
 
