@@ -8,6 +8,7 @@ latency and the thresholds used. Prints JSON (``--json`` writes it too).
 
     python -m bench.live_overload --rate 4 --duration 60 --json runs/live-overload.json
     python -m bench.live_overload --workload long --rate R --duration 60 --json runs/live-overload-long.json
+    python -m bench.live_overload --model DIR ...   # a checkpoint calibrated by `dls calibrate`
 
 ``--workload short`` (the default) sends the short families with max_tokens 16; ``long`` sends the chain
 family (35-125 tokens) with max_tokens 128 in blocks of 32 with the dual cache, as paper-bench-long
@@ -77,8 +78,10 @@ def start_stack(policy: str, args, run_dir: Path) -> tuple[subprocess.Popen, str
     env = dict(os.environ, DLS_NATS_URL=f"nats://127.0.0.1:{free_port()}",
                DLS_REDIS_URL=f"redis://127.0.0.1:{free_port()}/0")
     # the quality budget on the workload's own curve, as the simulator's preset applies it
-    env.setdefault("DLS_SCHEDULER_QUALITY_CURVES", json.dumps([quality_curve(WORKLOADS[args.workload], args.cache)]))
+    env.setdefault("DLS_SCHEDULER_QUALITY_CURVES",
+                   json.dumps([quality_curve(WORKLOADS[args.workload], args.cache, args.model)]))
     argv = [sys.executable, "-m", "services.cli", "up", "--port", str(port), "--workers", str(args.workers),
+            "--model", args.model,
             "--policy", policy, "--pace", args.pace, "--pace-scale", str(args.pace_scale), "--run-dir", str(run_dir)]
     log = open(run_dir.with_suffix(".log"), "wb")  # noqa: SIM115 (the child keeps it)
     process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -114,13 +117,13 @@ def run_policy(policy: str, args) -> dict:
     shape = {"max_tokens": workload.max_tokens, "family": workload.family, "block_length": workload.block_length}
     try:
         warmup = poisson_plan(1.0, 3.0, slo_ms=args.slo_ms or 60_000.0, seed=args.seed + 1, **shape)
-        asyncio.run(run_plan(url, warmup, cache=args.cache))
+        asyncio.run(run_plan(url, warmup, model=Path(args.model).name, cache=args.cache))
         if args.slo_ms is None:
             args.slo_ms = round(SLO_FACTOR * isolated_latency_ms(url, args, shape), 1)
             print(f"SLO {args.slo_ms:.0f} ms ({SLO_FACTOR:g}x the isolated latency at 0.9)", file=sys.stderr)
         plan = poisson_plan(args.rate, args.duration, slo_ms=args.slo_ms, seed=args.seed, **shape)
         print(f"{policy}: {len(plan)} requests over {args.duration:.0f} s ...", file=sys.stderr, flush=True)
-        results = asyncio.run(run_plan(url, plan, cache=args.cache))
+        results = asyncio.run(run_plan(url, plan, model=Path(args.model).name, cache=args.cache))
         return summarize(results, args.duration)
     finally:
         stop_stack(process)
@@ -132,7 +135,7 @@ def isolated_latency_ms(url: str, args, shape: dict) -> float:
     samples = poisson_plan(50.0, 1.0, slo_ms=600_000.0, seed=args.seed + 100, **shape)[:ISOLATED_SAMPLES]
     for planned in samples:
         alone = dataclasses.replace(planned, arrival_s=0.0, min_threshold=0.9)
-        [result] = asyncio.run(run_plan(url, [alone], cache=args.cache))
+        [result] = asyncio.run(run_plan(url, [alone], model=Path(args.model).name, cache=args.cache))
         if result.finished:
             latencies.append(result.latency_s * 1000.0)
     if not latencies:
@@ -151,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slo-ms", type=float, default=None,
                    help="every request's SLO; default: 5x the isolated latency at 0.9, measured")
     p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--model", default="models/dls-tiny",
+                   help="model directory (with its calibration: its quality curve bounds DiLaServe's candidates)")
     p.add_argument("--pace", default="profiles/llada-8b-h100.json")
     p.add_argument("--pace-scale", type=float, default=None,
                    help="each bundled-model step paced as this many LLaDA-8B steps (default: the workload's, "
