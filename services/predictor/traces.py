@@ -7,6 +7,12 @@ request's threshold stays the same until it finishes. To teach the model what ha
 scheduler switches a request's threshold, part of the requests run their first steps at another
 candidate threshold and switch once (rows after the switch have ``switched`` = 1; rows before it
 have no constant future threshold and are not written).
+
+What is traced is a task problem (``shared.tasks.Problem``, encoded with the engine's tokenizer) or a
+``TracePrompt``: token ids as the gateway would send them (``dls calibrate`` traces a user's prompts so),
+with a label for the error breakdowns and, optionally, the canvas a request asked for. With
+``CollectConfig.every_threshold`` each prompt runs once at every candidate threshold (few prompts, every
+threshold seen on each), otherwise once at a threshold drawn for it.
 """
 
 from __future__ import annotations
@@ -23,7 +29,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from services.predictor.core.predictor import PredictionQuery
+from services.predictor.core.served import LabelledState, labelled_states
 from shared.features import FEATURE_NAMES, MODEL_OUTPUT_FEATURE_NAMES
+from shared.messages.base import StepKind
 
 if TYPE_CHECKING:
     from services.worker.engine import DLMEngine, RequestState, StepResult
@@ -53,13 +61,28 @@ class CollectConfig:
     gen_lengths: tuple[int, ...] = ()  # drawn per request; empty: the engine's default
     block_lengths: tuple[int, ...] = ()
     cache_mode: str = "dual"
+    every_threshold: bool = False  # each prompt once per threshold (as the one it ends at), not once at a drawn one
+
+
+@dataclass(frozen=True)
+class TracePrompt:
+    """A prompt to trace as token ids (what the gateway sends a worker), with its row labels."""
+
+    prompt_ids: tuple[int, ...]
+    family: str  # the trace rows' ``family`` column: a task family, or where a user's prompt came from
+    num_shots: int = 0
+    gen_length: int | None = None  # the canvas the request asked for (None: drawn as configured, or the default)
+
+    @classmethod
+    def of_problem(cls, engine: DLMEngine, problem: Problem) -> TracePrompt:
+        return cls(tuple(engine.encode(problem.prompt)), str(problem.family), problem.num_shots)
 
 
 @dataclass
 class _Run:
     """One request being traced."""
 
-    problem: Problem
+    problem: TracePrompt
     state: RequestState
     thresholds: tuple[float, float]  # (first, then)
     switch_after: int  # steps run at the first threshold (0: none)
@@ -73,17 +96,21 @@ class _Run:
 
 def collect_traces(
     engine: DLMEngine,
-    problems: Sequence[Problem],
+    problems: Sequence[Problem | TracePrompt],
     seed: int,
     config: CollectConfig | None = None,
     on_progress: Callable[[int, int], None] | None = None,
 ) -> list[dict]:
-    """Run every problem to completion with continuous batching; return the trace rows."""
+    """Run every problem to completion with continuous batching; return the trace rows. ``on_progress``
+    gets (requests finished, requests) after every step."""
     from services.worker.engine import CacheMode
 
     config = config or CollectConfig()
     rng = random.Random(seed)
-    pending = [_start(engine, p, f"s{seed}-r{i}", rng, config, CacheMode(config.cache_mode)) for i, p in enumerate(problems)]
+    prompts = [p if isinstance(p, TracePrompt) else TracePrompt.of_problem(engine, p) for p in problems]
+    jobs = [(p, t) for p in prompts for t in config.thresholds] if config.every_threshold else [(p, None) for p in prompts]
+    mode = CacheMode(config.cache_mode)
+    pending = [_start(engine, p, f"s{seed}-r{i}", rng, config, mode, then) for i, (p, then) in enumerate(jobs)]
     pending.reverse()
     active: list[_Run] = []
     rows: list[dict] = []
@@ -99,15 +126,18 @@ def collect_traces(
                 num_done += 1
         active = [r for r in active if not r.state.finished]
         if on_progress is not None:
-            on_progress(num_done, len(problems))
+            on_progress(num_done, len(jobs))
     return rows
 
 
-def _start(engine, problem, request_id: str, rng: random.Random, config: CollectConfig, cache_mode) -> _Run:
+def _start(engine, problem: TracePrompt, request_id: str, rng: random.Random, config: CollectConfig, cache_mode,
+           then: float | None = None) -> _Run:
+    """``then``: the threshold the request ends at (None: drawn)."""
     gen_length = rng.choice(config.gen_lengths) if config.gen_lengths else None
     block_length = rng.choice(config.block_lengths) if config.block_lengths else None
-    state = engine.new_request(request_id, engine.encode(problem.prompt), gen_length, block_length, cache_mode)
-    then = rng.choice(config.thresholds)
+    state = engine.new_request(request_id, list(problem.prompt_ids), problem.gen_length or gen_length, block_length,
+                               cache_mode)
+    then = rng.choice(config.thresholds) if then is None else then
     first, switch_after = then, 0
     if len(config.thresholds) > 1 and rng.random() < config.switch_fraction:
         first = rng.choice([t for t in config.thresholds if t != then])
@@ -125,28 +155,23 @@ def _record(run: _Run, result: StepResult, mask_id: int) -> None:
 
 
 def _rows(run: _Run, seed: int) -> list[dict]:
-    """Rows for the states whose remaining steps all ran at one threshold."""
-    from services.worker.engine import StepKind
+    """Rows for the states whose remaining steps all ran at one threshold (``core/served.py``)."""
+    taus = [run.threshold_of_step(j) for j in range(1, len(run.kinds) + 1)]
+    states = labelled_states(run.queries, taus, [k == StepKind.RECOMPUTE for k in run.kinds])
+    return [trace_row(s, seed, run.problem.family, run.problem.num_shots, str(run.state.cache_mode)) for s in states]
 
-    num_steps = len(run.kinds)
-    taus = [run.threshold_of_step(j) for j in range(1, num_steps + 1)]
-    rows = []
-    for query in run.queries:
-        done = query.num_steps_done
-        future = taus[done:]
-        if any(t != future[0] for t in future):
-            continue
-        recompute = sum(1 for k in run.kinds[done:] if k == StepKind.RECOMPUTE)
-        meta = {
-            "request_id": query.request_id, "seed": seed, "family": str(run.problem.family),
-            "num_shots": run.problem.num_shots, "cache_mode": str(run.state.cache_mode), "step": done,
-            "switched": int(any(t != future[0] for t in taus[:done])),
-            "previous_threshold": taus[done - 1] if done else math.nan,
-        }
-        labels = {"remaining_steps": num_steps - done, "remaining_recompute": recompute,
-                  "remaining_cache": num_steps - done - recompute}
-        rows.append({**meta, **dict(zip(FEATURE_NAMES, query.features(future[0]), strict=True)), **labels})
-    return rows
+
+def trace_row(state: LabelledState, seed: int, family: str, num_shots: int, cache_mode: str) -> dict:
+    """A labelled state as a trace row (``COLUMNS``)."""
+    done = state.query.num_steps_done
+    meta = {
+        "request_id": state.query.request_id, "seed": seed, "family": family, "num_shots": num_shots,
+        "cache_mode": cache_mode, "step": done, "switched": int(state.switched),
+        "previous_threshold": state.previous_threshold,
+    }
+    labels = {"remaining_steps": state.remaining_steps, "remaining_recompute": state.remaining_recompute,
+              "remaining_cache": state.remaining_steps - state.remaining_recompute}
+    return {**meta, **dict(zip(FEATURE_NAMES, state.features, strict=True)), **labels}
 
 
 # --- files ------------------------------------------------------------------------------------
