@@ -21,6 +21,7 @@ _SUBCOMMAND_MODULES = (
     "sim.cli",  # sim, compare, capacity
     "services.stack",  # up
     "loadgen.cli",  # loadgen
+    "calibrate.cli",  # calibrate
 )
 
 
