@@ -1,6 +1,7 @@
 """scripts/gpu-check.sh, dry-run on a CPU (GPU_CHECK_DRY_RUN=1): every step of the GPU check runs (the gpu
-tests collected, the bench with its calibrated head, floor and profile, the acceptance script) on a tiny
-random model, so the script a lent GPU runs once is known to run. Its figures are a CPU's: not checked."""
+tests collected, the bench with its calibrated head and floor, the acceptance script, the profile through
+`dls calibrate --only profile` on a random-weight model directory) on a tiny random model, so the script a
+lent GPU runs once is known to run. Its figures are a CPU's: not checked."""
 
 import json
 import os
@@ -26,3 +27,5 @@ def test_the_gpu_check_runs_end_to_end_as_a_dry_run(tmp_path):
         assert check in log  # the acceptance ran (its verdicts are a CPU's, not checked)
     profile = json.loads((tmp_path / "llada-tiny-dryrun-measured.json").read_text())
     assert profile["measured"] and profile["batch_monotone"] == "min-over-larger"
+    assert "measured by `dls calibrate`" in profile["notes"]  # the command a user calibrates with
+    assert list(profile["tp"]["1"]["cache_ms"]) == ["1", "2", "4", "8"]
