@@ -112,7 +112,7 @@ class RequestRecord(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class StepRecord(msgspec.Struct, frozen=True, kw_only=True):
-    """One step of one request, for the timeline viewer."""
+    """One step of one request, for the timeline viewer and the predictor's retraining on served steps."""
 
     step_index: int  # 1-based: the request's num_steps after this step
     instance_id: str  # instance that ran it
@@ -126,6 +126,9 @@ class StepRecord(msgspec.Struct, frozen=True, kw_only=True):
     started_at: float  # unix time (s) the forward started
     duration_s: float  # step time on the worker
     confidence: ConfidenceStats | None = None  # still-masked confidences after the step
+    # NOTE: kept so the predictor service can rebuild each step's features from what is stored and
+    # retrain on served steps (``services/predictor/core/served.py``)
+    predicted_end: int | None = None  # where the engine expects the answer's EOS after the step; None: not known
 
 
 class StateError(RuntimeError):

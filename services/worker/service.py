@@ -495,6 +495,7 @@ class WorkerService:
                 loaded_state=item.request_id in loaded, queued=command.num_queued, started_at=started,
                 duration_s=duration,
                 confidence=_wire_confidence(outcome.confidence),
+                predicted_end=outcome.predicted_end,  # for the predictor's retraining on served steps
             )]
         save = await retry_transient(lambda: self.store.save_many(new_records, new_steps),
                                      f"step {command.step_id}: saving {len(new_records)} request(s)",
