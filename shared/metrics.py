@@ -29,7 +29,11 @@ Names (``docs/architecture.md``, "Observability"):
   ``dls_gateway_time_to_first_token_seconds``, ``dls_gateway_inter_token_latency_seconds``,
   ``dls_gateway_e2e_request_latency_seconds``;
 - gateway: ``dls_gateway_http_requests_total{route,status}``, ``dls_gateway_http_request_seconds{route}``;
-- predictor: ``dls_predictor_queries_total``, ``dls_predictor_batch_size``; reconfigurator:
+- predictor: ``dls_predictor_queries_total``, ``dls_predictor_batch_size``, ``dls_predictor_live_error``,
+  ``dls_predictor_served_error``, ``dls_predictor_served_requests_total{outcome}``,
+  ``dls_predictor_retrains_total{outcome}``, ``dls_predictor_retrain_error{model}``,
+  ``dls_predictor_retrain_rows{split}``, ``dls_predictor_retrain_seconds``,
+  ``dls_predictor_retrain_window_rows``; reconfigurator:
   ``dls_reconfigurator_plans_total``; node agent: ``dls_node_agent_workers``,
   ``dls_node_agent_restarts_total``; all: ``dls_malformed_messages_total{subject}``.
 """
@@ -301,6 +305,26 @@ class PredictorMetrics:
         self.batch_size = Histogram("dls_predictor_batch_size", "queries per predict call", buckets=BATCH_BUCKETS,
                                     registry=r)
         self.malformed = _malformed(r)
+        # served requests, read back when they finish (services/predictor/core/served.py, retraining.py)
+        self.live_error = Gauge("dls_predictor_live_error", "mean relative error of the remaining steps the serving "
+                                "predictor gives, over the most recent rows of finished requests "
+                                "(DLS_PREDICTOR_LIVE_ERROR_ROWS)", registry=r)
+        self.served_error = Histogram("dls_predictor_served_error", "|predicted - actual| / actual remaining steps "
+                                      "per row of a finished request, by the predictor serving when it finished "
+                                      "(sum / count over any interval: its mean relative error)",
+                                      buckets=ERROR_BUCKETS, registry=r)
+        self.served_requests = Counter("dls_predictor_served_requests", "finished requests read back, by outcome "
+                                       "(used; no_rows: no state ran at one threshold to the end; unusable: record "
+                                       "or steps missing or inconsistent)", ["outcome"], registry=r)
+        self.window_rows = Gauge("dls_predictor_retrain_window_rows", "rows kept to retrain on", registry=r)
+        self.retrains = Counter("dls_predictor_retrains", "retrains run, by outcome (swapped: the new model serves; "
+                                "kept: the serving one was as good; failed)", ["outcome"], registry=r)
+        self.retrain_error = Gauge("dls_predictor_retrain_error", "the last retrain's mean relative error on its "
+                                   "held-out rows, of the serving model (old) and the new one (new)", ["model"],
+                                   registry=r)
+        self.retrain_rows = Gauge("dls_predictor_retrain_rows", "rows the last retrain trained on (train) and "
+                                  "scored on (holdout)", ["split"], registry=r)
+        self.retrain_seconds = Gauge("dls_predictor_retrain_seconds", "the last retrain's duration", registry=r)
 
 
 class ReconfiguratorMetrics:

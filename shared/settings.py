@@ -277,6 +277,30 @@ class PredictorSettings(ServiceSettings):
     mode: Literal["online", "one-shot"] = _own("predictor", "mode", "online",
                                                "online (progress features) or one-shot (arrival estimate)")
     queue_group: str = _own("predictor", "queue_group", "predictor", "NATS queue group of predictor replicas")
+    # keeping the predictor true while serving (services/predictor/core/retraining.py)
+    retrain: bool = _own("predictor", "retrain", True,
+                         "retrain the online predictor on the served requests' steps in the background; a new "
+                         "model replaces the serving one only where its error on the most recent requests is "
+                         "lower (false: the live error is still measured)")
+    retrain_interval_s: float = _own("predictor", "retrain_interval_s", 300.0, "period between retrains", gt=0)
+    retrain_min_rows: int = _own("predictor", "retrain_min_rows", 500,
+                                 "rows (states of finished requests) in the window before a retrain", ge=2)
+    retrain_holdout_share: float = _own("predictor", "retrain_holdout_share", 0.2,
+                                        "share of the window's rows held out (the most recent requests') to score "
+                                        "the new model against the serving one", gt=0, lt=1)
+    retrain_window_rows: int = _own("predictor", "retrain_window_rows", 20_000,
+                                    "rows of the most recent finished requests kept to retrain on", ge=1)
+    live_error_rows: int = _own("predictor", "live_error_rows", 1000,
+                                "the live error metric is over this many most recent rows; 0 with retrain off: "
+                                "finished requests are not read at all", ge=0)
+    live_dir: str = _own("predictor", "live_dir", "",
+                         "a retrained model that replaced the serving one is written here; empty: kept in memory "
+                         "only (never loaded at start: copy it into the calibration's predictor/ to keep it)")
+
+    @property
+    def reads_served_requests(self) -> bool:
+        """Whether the service reads finished requests' steps (for the live error or retraining)."""
+        return self.retrain or self.live_error_rows > 0
 
 
 class ReconfiguratorSettings(ServiceSettings):

@@ -248,6 +248,7 @@ class SchedulerService:
         self._owed: PendingResults | None = None  # results handled whose pass is queued in _deferred, merged
         self._threshold_samples: list[float] = []  # step thresholds not yet in the histogram
         self._predictor_down_until = 0.0  # no predict calls before this (the last one got no reply)
+        self.predictor_version = ""  # the predictor model of the last reply (it changes when a retrain swaps)
         # shadow decoding (core.quality_watch): None without a measured curve or a lower candidate
         self.quality_watch = quality_watch(settings, quality, self.loop.policy) if quality is not None else None
         # shadow id -> (the lowest threshold it was served at, its answer; None: not to judge)
@@ -855,6 +856,10 @@ class SchedulerService:
         if reply.error:
             logger.warning("predictor error: %s", reply.error)
             return None
+        if reply.model_version != self.predictor_version:
+            logger.info("predictions now from predictor model %s (before: %s)", reply.model_version,
+                        self.predictor_version or "none")
+            self.predictor_version = reply.model_version
         return {p.request_id: Prediction({float(t): (s.recompute_steps, s.cache_steps)
                                           for t, s in p.threshold_to_steps.items()}, p.made_at_step)
                 for p in reply.predictions}

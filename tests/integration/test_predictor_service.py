@@ -109,3 +109,58 @@ def test_process_answers_and_exits_cleanly_on_sigterm(nats_server, unique_prefix
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_the_service_retrains_on_served_requests_and_answers_with_the_new_version(nats_server, redis_server,
+                                                                                   unique_prefix, tmp_path):
+    """A live scheduler and worker serve requests; the predictor of an uncalibrated model (the bound)
+    reads each finished request back from Redis, measures its error, retrains on its schedule, swaps the
+    trained model in (it beats the bound) and answers with its version, which the scheduler sees."""
+    from shared.state import RedisStateStore
+    from shared.tasks import Split, TaskGenerator
+    from tests.integration.live import LiveCluster, engine
+
+    async def main():
+        settings = PredictorSettings(
+            nats_url=nats_server.url, redis_url=redis_server.url, subject_prefix=unique_prefix,
+            redis_key_prefix=unique_prefix, model_dir=str(tmp_path),  # no calibration: BoundPredictor
+            retrain_interval_s=0.5, retrain_min_rows=40, retrain_holdout_share=0.25, live_error_rows=500)
+        nc = await nats.connect(nats_server.url)
+        store = RedisStateStore.from_url(redis_server.url, unique_prefix)
+        service = PredictorService(settings, nc, store)
+        service.load_models()
+        await service.start()
+        subjects = Subjects(unique_prefix)
+        before = await ask(nc, subjects, encode(PredictRequest(queries=queries(), thresholds=[0.9])))
+        assert before.model_version == "uncalibrated:bound"
+        cluster = LiveCluster(nats_server.url, redis_server.url, unique_prefix, policy="fixed")
+        await cluster.start(num_workers=1)
+        try:
+            problems = TaskGenerator(seed=11).problems(36, max_shots=2, split=Split.HELD_OUT)
+            outcomes = await asyncio.gather(*[cluster.submit(engine().encode(p.prompt)) for p in problems])
+            assert all(o.final.usage.num_steps >= 1 for o in outcomes)
+            await cluster.wait_for(lambda: any(o.swapped for o in service.retrain_outcomes), 60.0, "a swap")
+            swap = next(o for o in service.retrain_outcomes if o.swapped)
+            assert swap.new_error < swap.old_error and swap.num_rows >= 40
+
+            after = await ask(nc, subjects, encode(PredictRequest(queries=queries(), thresholds=[0.9])))
+            assert after.error is None and after.model_version.startswith("progress_confidence:")
+            assert after.model_version == service._predictor(one_shot=False).version
+            await cluster.submit(engine().encode(problems[0].prompt))  # the scheduler asks the new model
+            await cluster.wait_for(lambda: cluster.scheduler.predictor_version == after.model_version, 10.0,
+                                   "the scheduler to see the new version")
+
+            steps = await store.load_steps(outcomes[0].request_id)
+            assert steps and all(s.predicted_end is not None for s in steps)  # the worker stores the end
+            registry = service.metrics.registry
+            used = registry.get_sample_value("dls_predictor_served_requests_total", {"outcome": "used"})
+            assert used is not None and used >= len(problems)
+            assert registry.get_sample_value("dls_predictor_live_error") == pytest.approx(service.live.mre)
+            assert registry.get_sample_value("dls_predictor_retrains_total", {"outcome": "swapped"}) >= 1
+        finally:
+            await cluster.close()
+            await service.drain()
+            await store.close()
+            await nc.close()
+
+    asyncio.run(main())
