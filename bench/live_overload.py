@@ -64,10 +64,13 @@ WORKLOADS = {
 }
 
 
-def quality_curve(workload: LiveWorkload, cache: str | None, model_dir: str = "models/dls-tiny") -> str:
+def quality_curve(workload: LiveWorkload, cache: str | None, model_dir: str = "models/dls-tiny") -> str | None:
     """The quality.json curve the workload's answers follow, by the simulator's rule
-    (``quality_curve_key``: the family at its block, or the mix on its canvas)."""
-    data = json.loads((bundle_dir(model_dir) / QUALITY).read_text())
+    (``quality_curve_key``: the family at its block, or the mix on its canvas); None: uncalibrated."""
+    path = bundle_dir(model_dir) / QUALITY
+    if not path.exists():
+        return None
+    data = json.loads(path.read_text())
     return quality_curve_key(data, family=workload.family.value if workload.family else None,
                              gen_len=workload.max_tokens, block_len=workload.block_length or 0,
                              no_cache=(cache or workload.cache) == "none")
@@ -75,11 +78,13 @@ def quality_curve(workload: LiveWorkload, cache: str | None, model_dir: str = "m
 
 def start_stack(policy: str, args, run_dir: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
+    args.metrics_port = free_port()  # the scheduler's /metrics (dls up: the base port)
     env = dict(os.environ, DLS_NATS_URL=f"nats://127.0.0.1:{free_port()}",
-               DLS_REDIS_URL=f"redis://127.0.0.1:{free_port()}/0")
+               DLS_REDIS_URL=f"redis://127.0.0.1:{free_port()}/0", DLS_METRICS_PORT=str(args.metrics_port))
     # the quality budget on the workload's own curve, as the simulator's preset applies it
-    env.setdefault("DLS_SCHEDULER_QUALITY_CURVES",
-                   json.dumps([quality_curve(WORKLOADS[args.workload], args.cache, args.model)]))
+    curve = quality_curve(WORKLOADS[args.workload], args.cache, args.model)
+    if curve is not None:
+        env.setdefault("DLS_SCHEDULER_QUALITY_CURVES", json.dumps([curve]))
     argv = [sys.executable, "-m", "services.cli", "up", "--port", str(port), "--workers", str(args.workers),
             "--model", args.model,
             "--policy", policy, "--pace", args.pace, "--pace-scale", str(args.pace_scale), "--run-dir", str(run_dir)]
@@ -124,9 +129,31 @@ def run_policy(policy: str, args) -> dict:
         plan = poisson_plan(args.rate, args.duration, slo_ms=args.slo_ms, seed=args.seed, **shape)
         print(f"{policy}: {len(plan)} requests over {args.duration:.0f} s ...", file=sys.stderr, flush=True)
         results = asyncio.run(run_plan(url, plan, model=Path(args.model).name, cache=args.cache))
-        return summarize(results, args.duration)
+        return {**summarize(results, args.duration), "scheduler": scheduler_steps(args.metrics_port)}
     finally:
         stop_stack(process)
+
+
+def scheduler_steps(port: int) -> dict:
+    """Request-steps the scheduler saw, of which shadow decodings (their share: what watching the quality
+    curve costs), and the shadow decodings judged, from its /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+            text = reply.read().decode()
+    except OSError as exc:
+        return {"error": f"no scheduler metrics: {exc}"}
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.endswith("_total"):
+                values[sample.name] = values.get(sample.name, 0.0) + sample.value
+    steps = values.get("dls_scheduler_request_steps_total", 0.0)
+    shadow = values.get("dls_scheduler_shadow_steps_total", 0.0)
+    return {"request_steps": int(steps), "shadow_steps": int(shadow),
+            "shadow_step_share": round(shadow / steps, 4) if steps else None,
+            "shadow_decodings": int(values.get("dls_scheduler_shadow_decodings_total", 0.0))}
 
 
 def isolated_latency_ms(url: str, args, shape: dict) -> float:

@@ -198,6 +198,9 @@ class SchedulerSettings(ServiceSettings):
                               "share of finished requests that ran below the highest candidate threshold decoded "
                               "again at the highest, at the lowest priority (only in a free slot), to watch the "
                               "quality curve's promise (services/scheduler/core/quality_watch.py); 0: off", ge=0, le=1)
+    shadow_step_budget: float = _own("scheduler", "shadow_step_budget", 0.02,
+                                     "shadow decodings' most request-steps as a share of all: none starts while "
+                                     "they took more", ge=0, le=1)
     shadow_max_in_flight: int = _own("scheduler", "shadow_max_in_flight", 4,
                                      "most shadow decodings queued or running at once", ge=0)
     shadow_min_samples: int = _own("scheduler", "shadow_min_samples", 20,

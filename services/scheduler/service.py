@@ -254,6 +254,7 @@ class SchedulerService:
         # shadow id -> (the lowest threshold it was served at, its answer; None: not to judge)
         self._shadows: dict[str, tuple[float, list[int] | None]] = {}
         self._rng = random.Random(settings.shard)
+        self._request_steps = self._shadow_steps = 0  # request-steps reported, of which shadow decodings'
         self._eos_id = read_eos_token_id(settings.model_dir)
 
     @property
@@ -714,7 +715,9 @@ class SchedulerService:
             if telemetry is None:
                 continue  # cancelled while its step ran
             num_observed += 1
+            self._request_steps += 1
             if r.request_id in self._shadows:  # a shadow decoding: counted apart, judged when it ends
+                self._shadow_steps += 1
                 self.metrics.shadow_steps.inc()
                 if r.finished:
                     self.live.pop(r.request_id, None)
@@ -736,7 +739,8 @@ class SchedulerService:
                 self._observe_finish(r.request_id, telemetry, r.num_steps, now, r.num_answer_tokens)
                 watch = self.quality_watch
                 if (watch is not None and len(self._shadows) < self.settings.shadow_max_in_flight
-                        and watch.wants(telemetry.lowest_threshold, self._rng.random())):
+                        and watch.wants(telemetry.lowest_threshold, self._rng.random(), self._shadow_steps,
+                                    self._request_steps)):
                     self._spawn(self._start_shadow(r.request_id, telemetry.lowest_threshold))
         if num_observed:
             self.metrics.steps.inc(num_observed)
@@ -1101,7 +1105,7 @@ def quality_watch(settings: SchedulerSettings, quality: ServedQuality, policy) -
         return None
     source = str(quality.curves.get("source", "labelled"))
     return QualityWatch(grid.values, promised_agreement(curve, source, grid.values), settings.shadow_min_samples,
-                        settings.shadow_tolerance_pp / 100.0, settings.shadow_rate)
+                        settings.shadow_tolerance_pp / 100.0, settings.shadow_rate, settings.shadow_step_budget)
 
 
 def read_eos_token_id(model_dir: str) -> int | None:

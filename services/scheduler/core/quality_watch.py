@@ -46,6 +46,7 @@ class QualityWatch:
     min_samples: int = 20
     tolerance: float = 0.02  # how far below the promise an observed agreement may fall
     rate: float = 0.01  # share of the requests served below the highest threshold decoded again
+    step_budget: float = 0.02  # most shadow steps as a share of every request-step (a new one waits below it)
     counts: dict[float, list[int]] = field(default_factory=dict)  # threshold -> [agreed, observed]
 
     def __post_init__(self) -> None:
@@ -55,9 +56,12 @@ class QualityWatch:
     def top(self) -> float:
         return self.thresholds[-1]
 
-    def wants(self, lowest_threshold: float, draw: float) -> bool:
-        """Decode again a request served as low as ``lowest_threshold``? (``draw``: uniform in [0, 1))"""
-        return lowest_threshold < self.top - 1e-9 and draw < self.rate
+    def wants(self, lowest_threshold: float, draw: float, shadow_steps: int = 0, steps: int = 0) -> bool:
+        """Decode again a request served as low as ``lowest_threshold``? (``draw``: uniform in [0, 1);
+        ``shadow_steps`` of ``steps`` request-steps so far were shadow decodings': none starts while
+        they are above the step budget)."""
+        within = shadow_steps <= self.step_budget * steps
+        return lowest_threshold < self.top - 1e-9 and draw < self.rate and within
 
     def snap(self, threshold: float) -> float:
         """The candidate a served threshold counts under: the nearest at or below it."""

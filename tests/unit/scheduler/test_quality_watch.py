@@ -38,6 +38,7 @@ def test_the_floor_rises_above_a_threshold_whose_answers_disagree_too_often():
         watch.observe(0.8, agreed=True)
     assert watch.floor() == 0.8  # 0.8 keeps its promise
     assert watch.wants(0.7, draw=0.005) and not watch.wants(0.7, draw=0.5) and not watch.wants(0.9, draw=0.0)
+    assert watch.wants(0.7, 0.005, shadow_steps=2, steps=100) and not watch.wants(0.7, 0.005, shadow_steps=3, steps=100)
 
 
 def test_a_threshold_keeping_its_promise_within_the_tolerance_stays():
@@ -61,7 +62,8 @@ def _finished(request_id: str, threshold: float, num_steps: int = 3):
 def test_the_service_decodes_a_sample_again_at_the_lowest_priority_and_tightens_on_disagreement():
     async def scenario():
         store = InMemoryStateStore()
-        settings = SchedulerSettings(thresholds=[0.7, 0.8, 0.9], shadow_rate=1.0, shadow_min_samples=2)
+        settings = SchedulerSettings(thresholds=[0.7, 0.8, 0.9], shadow_rate=1.0, shadow_min_samples=2,
+                                     shadow_step_budget=1.0)
         quality = ServedQuality({"accuracy": CURVE}, "quality.json")
         service = SchedulerService(settings, nc=None, js=None, store=store, clock=lambda: 5.0)
         assert service.quality_watch is not None  # the bundled model's curve: its watch
