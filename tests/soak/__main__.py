@@ -21,7 +21,7 @@ from pathlib import Path
 from tests.chaos.client import check_no_duplicates
 from tests.chaos.cluster import REPO, Cluster
 from tests.chaos.scenarios import FinishedCounter
-from tests.soak.faults import Injector
+from tests.soak.faults import RECOVERY_TIMEOUT_S, Injector
 from tests.soak.load import OpenLoopLoad, measure_capacity
 from tests.soak.report import RequestOutcome, acceptance, summarize
 
@@ -54,7 +54,8 @@ async def soak(cluster: Cluster, args, rng: random.Random) -> dict:
         injector = Injector(cluster, load, rng, log)
         duration = args.minutes * 60.0
         started = time.monotonic()
-        await asyncio.gather(load.run(duration),
+        # the load goes on past its duration while a fault is still to be seen recovering
+        await asyncio.gather(load.run(duration, keep_going=lambda: injector.active, max_extra_s=RECOVERY_TIMEOUT_S),
                              injector.run(duration, args.storm_s, args.calm_s, (args.min_gap_s, args.max_gap_s)))
         log(f"soak: {len(load.tracked)} requests sent; waiting for the ones in flight ...")
         await load.finish()

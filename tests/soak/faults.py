@@ -14,7 +14,10 @@ recovered from it.
 | ``reconfig_plan`` | ask the reconfigurator (``reconfig.apply``) for 3 or 2 TP-1 instances, whichever differs | the node agent acked it and that many workers are READY |
 
 Then, for every kind, the recovery lasts until a request completes after that point (the cluster
-serves end to end again). Which workers are READY the injector hears itself, from the heartbeats
+serves end to end again): the load goes on past its duration while a fault is still to be seen
+recovering (``OpenLoopLoad.run``'s ``keep_going``). A fault whose part came back after the load
+stopped all the same (it ran out of extra time) could not be judged: it is reported apart
+(``Fault.judged``), not as unrecovered. Which workers are READY the injector hears itself, from the heartbeats
 (``shared.leases.LeaseTable``, as the services do). Kinds share groups (the node agent's workers: ``worker_*`` but skew, and
 plans; plans also need the reconfigurator): one fault per group at a time, at most ``MAX_ACTIVE`` at
 once, and the kind least used so far goes first among those that may go (ties: at random).
@@ -131,9 +134,13 @@ class Injector:
                 return
             self.log(f"soak: fault {kind} on {injected.target}")
             recovered_at = await self._recovery(injected)
-            self.faults.append(Fault(kind, injected.target, at, recovered_at, injected.detail))
-            self.log(f"soak: {kind} on {injected.target}: " + (f"recovered in {recovered_at - at:.1f} s"
-                                                              if recovered_at else f"NOT RECOVERED {injected.detail}"))
+            judged = recovered_at is not False
+            recovered_at = recovered_at or None
+            self.faults.append(Fault(kind, injected.target, at, recovered_at, injected.detail, judged))
+            self.log(f"soak: {kind} on {injected.target}: " + (
+                f"recovered in {recovered_at - at:.1f} s" if recovered_at
+                else f"NOT RECOVERED {injected.detail}" if judged
+                else "back after the load stopped: not judged (no request could show it)"))
             if injected.after is not None:
                 await injected.after()
         except Exception as exc:  # noqa: BLE001 (reported; the soak goes on)
@@ -142,8 +149,14 @@ class Injector:
         finally:
             self.busy.difference_update(KIND_GROUPS[kind])
 
-    async def _recovery(self, injected: Injected) -> float | None:
-        """When the broken part serves again and a request completed after that; None past the timeout."""
+    @property
+    def active(self) -> bool:
+        """A fault is injected and not yet seen recovering."""
+        return any(not t.done() for t in self.tasks)
+
+    async def _recovery(self, injected: Injected) -> float | None | bool:
+        """When the broken part serves again and a request completed after that; None past the timeout;
+        False when the part came back but the load had stopped, so no request could show it."""
         deadline = time.monotonic() + RECOVERY_TIMEOUT_S
         while not await asyncio.to_thread(injected.recovered):
             if time.monotonic() > deadline:
@@ -151,6 +164,8 @@ class Injector:
             await asyncio.sleep(0.25)
         back = time.monotonic()
         while self.load.last_completion_at <= back:
+            if not self.load.sending and not self.load.in_flight:
+                return False
             if time.monotonic() > deadline:
                 return None
             await asyncio.sleep(0.1)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import Callable
 
 from tests.chaos.client import Tracked, run_request
 
@@ -28,17 +29,32 @@ class OpenLoopLoad:
         self.tracked: list[Tracked] = []
         self.tasks: list[asyncio.Task] = []
         self.last_completion_at = 0.0  # time.monotonic() of the latest completion
+        self.sending = False  # between run's start and its end
 
-    async def run(self, duration_s: float) -> None:
-        """Send for ``duration_s`` seconds (then return; the requests go on: ``finish``)."""
+    async def run(self, duration_s: float, keep_going: Callable[[], bool] | None = None,
+                  max_extra_s: float = 0.0) -> None:
+        """Send for ``duration_s`` seconds, and after that while ``keep_going()`` (a fault still to be seen
+        recovering: only a request completing shows it), at most ``max_extra_s`` more; then return (the
+        requests go on: ``finish``)."""
         start = time.monotonic()
         next_at = start
-        while True:
-            next_at += self.rng.expovariate(self.rate_per_s)
-            if next_at - start >= duration_s:
-                return
-            await asyncio.sleep(max(0.0, next_at - time.monotonic()))
-            self._send()
+        self.sending = True
+        try:
+            while True:
+                next_at += self.rng.expovariate(self.rate_per_s)
+                elapsed = next_at - start
+                if elapsed >= duration_s and (keep_going is None or not keep_going()
+                                              or elapsed >= duration_s + max_extra_s):
+                    return
+                await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+                self._send()
+        finally:
+            self.sending = False
+
+    @property
+    def in_flight(self) -> bool:
+        """A request sent is not answered yet (its completion may still show a recovery)."""
+        return any(not t.done() for t in self.tasks)
 
     def _send(self) -> None:
         # a request the gateway refuses is not sent again; the urls rotate from a random one, as a load

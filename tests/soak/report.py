@@ -35,6 +35,7 @@ class Fault:
     at: float  # injected
     recovered_at: float | None = None  # the broken part serves again (None: it did not within the wait)
     detail: dict = field(default_factory=dict)
+    judged: bool = True  # False: its part came back after the load stopped, so no request could show it
 
     @property
     def recovery_s(self) -> float | None:
@@ -68,6 +69,8 @@ def summarize(requests: Sequence[RequestOutcome], faults: Sequence[Fault]) -> di
     fault_times = [f.at for f in faults]
     disturbed = [r.done_at - r.sent_at for r in completed if after_fault(r, fault_times)]
     calm = [r.done_at - r.sent_at for r in completed if not after_fault(r, fault_times)]
+    unjudged = [f for f in faults if not f.judged]
+    faults = [f for f in faults if f.judged]
     kinds = sorted({f.kind for f in faults})
     recovery: dict[str, float | None] = {}
     recovery_detail: dict[str, dict] = {}
@@ -98,6 +101,7 @@ def summarize(requests: Sequence[RequestOutcome], faults: Sequence[Fault]) -> di
         "accepted_not_completed": sum(r.accepted and r.outcome != "completed" for r in requests),
         "duplicated": sum(r.duplicated for r in completed),
         "faults": len(faults),
+        "faults_not_judged": [{"kind": f.kind, "target": f.target} for f in unjudged],
         "fault_kinds": kinds,
         "faults_by_kind": {kind: sum(f.kind == kind for f in faults) for kind in kinds},
         "recovery_s": recovery,

@@ -53,3 +53,35 @@ def test_summary_counts_and_splits_latency():
                         "refused_without_retry_after 1", "not recovered: ['redis_failover']"]
     clean = summarize([done(0.0, 1.0)], [Fault("gateway_kill", "gateway", 50.0, 52.0)])
     assert acceptance(clean, min_requests=1, min_faults=1, min_kinds=1) == []
+
+
+def test_a_fault_that_could_not_be_judged_is_reported_apart_from_one_that_did_not_recover():
+    faults = [Fault("worker_kill", "w0", 10.0, 14.0), Fault("worker_skew", "w9", 118.0, None, judged=False)]
+    report = summarize([done(0.0, 1.0), done(20.0, 1.0)], faults)
+    assert report["faults"] == 1 and report["fault_kinds"] == ["worker_kill"]
+    assert report["faults_not_judged"] == [{"kind": "worker_skew", "target": "w9"}]
+    assert acceptance(report, 1, 1, 1) == []  # unjudged is not unrecovered
+    report = summarize([done(0.0, 1.0)], [*faults, Fault("worker_hang", "w1", 30.0, None)])
+    assert acceptance(report, 1, 1, 1) == ["not recovered: ['worker_hang']"]
+
+
+def test_the_load_goes_on_past_its_duration_while_a_fault_is_watched():
+    import asyncio
+    import random
+    import time
+
+    from tests.soak.load import OpenLoopLoad
+
+    async def scenario(watching_s: float) -> tuple[float, int]:
+        load = OpenLoopLoad(["http://127.0.0.1:9"], 50.0, random.Random(1))
+        load._send = lambda: load.tracked.append(None)  # count the arrivals only (no server here)
+        started = time.monotonic()
+        until = started + watching_s
+        await load.run(0.2, keep_going=lambda: time.monotonic() < until, max_extra_s=1.0)
+        return time.monotonic() - started, len(load.tracked)
+
+    alone, sent_alone = asyncio.run(scenario(0.0))
+    watched, sent_watched = asyncio.run(scenario(0.6))
+    assert watched >= 0.6 and sent_watched > sent_alone  # it sent until nothing was watched any more
+    _, sent_capped = asyncio.run(scenario(60.0))  # a fault never seen recovering: at most max_extra_s more
+    assert sent_capped < 50.0 * (0.2 + 1.0) * 2
