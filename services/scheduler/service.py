@@ -255,6 +255,8 @@ class SchedulerService:
         self._shadows: dict[str, tuple[float, list[int] | None]] = {}
         self._rng = random.Random(settings.shard)
         self._request_steps = self._shadow_steps = 0  # request-steps reported, of which shadow decodings'
+        self._shadow_steps_running = 0  # steps of the shadow decodings not finished yet
+        self._shadow_steps_judged = self._shadows_judged = 0  # steps of the finished ones, and how many
         self._eos_id = read_eos_token_id(settings.model_dir)
 
     @property
@@ -718,8 +720,12 @@ class SchedulerService:
             self._request_steps += 1
             if r.request_id in self._shadows:  # a shadow decoding: counted apart, judged when it ends
                 self._shadow_steps += 1
+                self._shadow_steps_running += 1
                 self.metrics.shadow_steps.inc()
                 if r.finished:
+                    self._shadow_steps_running -= r.num_steps
+                    self._shadow_steps_judged += r.num_steps
+                    self._shadows_judged += 1
                     self.live.pop(r.request_id, None)
                     self._spawn(self._judge_shadow(r.request_id))
                 continue
@@ -740,7 +746,7 @@ class SchedulerService:
                 watch = self.quality_watch
                 if (watch is not None and len(self._shadows) < self.settings.shadow_max_in_flight
                         and watch.wants(telemetry.lowest_threshold, self._rng.random(), self._shadow_steps,
-                                    self._request_steps)):
+                                    self._request_steps, self._shadow_reserve(r.num_steps))):
                     self._spawn(self._start_shadow(r.request_id, telemetry.lowest_threshold))
         if num_observed:
             self.metrics.steps.inc(num_observed)
@@ -752,6 +758,15 @@ class SchedulerService:
     def _spawn(self, coroutine) -> None:
         self._tasks = [t for t in self._tasks if not t.done()]
         self._tasks.append(asyncio.create_task(coroutine))
+
+    def _shadow_reserve(self, served_steps: int) -> float:
+        """The steps the shadows running and one more are expected to take yet: each as many as the
+        shadows judged so far took on average (before any: twice the served request's), less what
+        the running ones took already."""
+        expected = (self._shadow_steps_judged / self._shadows_judged if self._shadows_judged
+                    else 2.0 * served_steps)
+        running = len(self._shadows) + 1
+        return max(running * expected - self._shadow_steps_running, expected)
 
     async def _start_shadow(self, request_id: str, lowest: float) -> None:
         """Decode a finished request again at the highest candidate, at the lowest priority: it waits for

@@ -1,7 +1,7 @@
-"""Shadow decoding on the live stack: with every lowered answer sampled (DLS_SCHEDULER_SHADOW_RATE=1), a
-burst that makes DiLaServe lower thresholds gets answers decoded again at the highest threshold, at the
-lowest priority; the scheduler counts their steps apart and reports the agreement per threshold, and
-no client sees them."""
+"""Shadow decoding on the live stack: with every lowered answer sampled (DLS_SCHEDULER_SHADOW_RATE=1, no
+step budget), a burst that makes DiLaServe lower thresholds gets answers decoded again at the highest
+threshold, at the lowest priority; the scheduler counts their steps apart and reports the agreement per
+threshold, and no client sees them."""
 
 from __future__ import annotations
 
@@ -35,7 +35,8 @@ def _metrics(port: int) -> dict[str, float]:
 
 def test_lowered_answers_are_decoded_again_at_the_highest_threshold(tmp_path):
     port, metrics = free_port(), free_port()
-    env = {**_env(), "DLS_SCHEDULER_SHADOW_RATE": "1", "DLS_METRICS_PORT": str(metrics)}
+    env = {**_env(), "DLS_SCHEDULER_SHADOW_RATE": "1", "DLS_SCHEDULER_SHADOW_STEP_BUDGET": "1",
+           "DLS_METRICS_PORT": str(metrics)}
     argv = [sys.executable, "-m", "services.cli", "up", "--port", str(port), "--workers", "2",
             "--run-dir", str(tmp_path / "stack")]
     process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

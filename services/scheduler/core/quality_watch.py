@@ -56,11 +56,13 @@ class QualityWatch:
     def top(self) -> float:
         return self.thresholds[-1]
 
-    def wants(self, lowest_threshold: float, draw: float, shadow_steps: int = 0, steps: int = 0) -> bool:
+    def wants(self, lowest_threshold: float, draw: float, shadow_steps: int = 0, steps: int = 0,
+              reserved_steps: float = 0.0) -> bool:
         """Decode again a request served as low as ``lowest_threshold``? (``draw``: uniform in [0, 1);
-        ``shadow_steps`` of ``steps`` request-steps so far were shadow decodings': none starts while
-        they are above the step budget)."""
-        within = shadow_steps <= self.step_budget * steps
+        ``shadow_steps`` of ``steps`` request-steps so far were shadow decodings', and ``reserved_steps``
+        more are expected of those running and of this one: it starts only where all of them stay
+        within the step budget)."""
+        within = shadow_steps + reserved_steps <= self.step_budget * steps
         return lowest_threshold < self.top - 1e-9 and draw < self.rate and within
 
     def snap(self, threshold: float) -> float:

@@ -39,6 +39,7 @@ def test_the_floor_rises_above_a_threshold_whose_answers_disagree_too_often():
     assert watch.floor() == 0.8  # 0.8 keeps its promise
     assert watch.wants(0.7, draw=0.005) and not watch.wants(0.7, draw=0.5) and not watch.wants(0.9, draw=0.0)
     assert watch.wants(0.7, 0.005, shadow_steps=2, steps=100) and not watch.wants(0.7, 0.005, shadow_steps=3, steps=100)
+    assert watch.wants(0.7, 0.005, 0, 1000, reserved_steps=20) and not watch.wants(0.7, 0.005, 0, 1000, 21)
 
 
 def test_a_threshold_keeping_its_promise_within_the_tolerance_stays():
@@ -72,6 +73,7 @@ def test_the_service_decodes_a_sample_again_at_the_lowest_priority_and_tightens_
         service.core.loop.policy = load_policy(settings, quality)
         service.quality_watch = quality_watch(settings, quality, service.loop.policy)
         assert service.quality_watch.top == 0.9 and service.loop.policy.grid.values == (0.7, 0.8, 0.9)
+        service._request_steps = 1_000  # steps served before: room in the shadows' step budget
         for n in range(2):
             rid = f"r{n}"
             await store.create(_record(rid, [9, 9, 2, 1]))
