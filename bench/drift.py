@@ -35,18 +35,16 @@ import os
 import platform
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.common import emit_json
+from bench.common import emit_json, launch_stack, stop_stack
 from loadgen.driver import poisson_plan, run_plan, summarize
 from services.stack import SERVICES
 from shared.calibration import MANIFEST, PREDICTOR, bundle_dir
@@ -138,30 +136,8 @@ def start_stack(args, model: Path, run_dir: Path, metrics_base: int) -> tuple[su
                DLS_PREDICTOR_LIVE_ERROR_ROWS=str(args.live_error_rows))
     argv = [sys.executable, "-m", "services.cli", "up", "--model", str(model), "--port", str(port), "--workers",
             str(args.workers), "--run-dir", str(run_dir / "stack")]
-    log = open(run_dir / "stack.log", "wb")  # noqa: SIM115 (the child keeps it)
-    process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"dls up exited ({process.returncode}); see {run_dir / 'stack.log'}")
-        try:
-            with urllib.request.urlopen(f"{url}/readyz", timeout=2) as reply:
-                if reply.status == 200 and json.loads(reply.read())["serving"]:
-                    return process, url
-        except OSError:
-            pass
-        time.sleep(1.0)
-    process.send_signal(signal.SIGINT)
-    raise RuntimeError("the stack was not ready in 240 s")
-
-
-def stop_stack(process: subprocess.Popen) -> None:
-    process.send_signal(signal.SIGINT)
-    try:
-        process.wait(300)
-    except subprocess.TimeoutExpired:
-        process.kill()
+    return launch_stack(argv, env, run_dir / "stack.log", url), url
 
 
 def shifting_plan(args) -> list:

@@ -23,16 +23,14 @@ import asyncio
 import dataclasses
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
-import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.common import emit_json
+from bench.common import emit_json, launch_stack, stop_stack
 from loadgen.driver import poisson_plan, run_plan, summarize
 from services.scheduler.core.threshold import quality_curve_key
 from shared.calibration import QUALITY, bundle_dir
@@ -88,30 +86,8 @@ def start_stack(policy: str, args, run_dir: Path) -> tuple[subprocess.Popen, str
     argv = [sys.executable, "-m", "services.cli", "up", "--port", str(port), "--workers", str(args.workers),
             "--model", args.model,
             "--policy", policy, "--pace", args.pace, "--pace-scale", str(args.pace_scale), "--run-dir", str(run_dir)]
-    log = open(run_dir.with_suffix(".log"), "wb")  # noqa: SIM115 (the child keeps it)
-    process = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"dls up exited ({process.returncode}); see {run_dir.with_suffix('.log')}")
-        try:
-            with urllib.request.urlopen(f"{url}/readyz", timeout=2) as reply:
-                if reply.status == 200 and json.loads(reply.read())["serving"]:  # a worker is up too
-                    return process, url
-        except OSError:
-            pass
-        time.sleep(1.0)
-    process.send_signal(signal.SIGINT)
-    raise RuntimeError("the stack was not ready in 240 s")
-
-
-def stop_stack(process: subprocess.Popen) -> None:
-    process.send_signal(signal.SIGINT)
-    try:
-        process.wait(300)  # dls up stops each service in turn (workers drain first)
-    except subprocess.TimeoutExpired:
-        process.kill()
+    return launch_stack(argv, env, run_dir.with_suffix(".log"), url), url
 
 
 def run_policy(policy: str, args) -> dict:

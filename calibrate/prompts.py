@@ -218,25 +218,17 @@ def _sharegpt(text: str) -> list[PromptSpec]:
 
 def load_codec(model_dir: str | Path, trust_remote_code: bool = False):
     """The served model's tokenizer wrapped as the gateway wraps it (``services.gateway.models``)."""
-    from services.gateway.models import CharCodec, HfCodec
+    from services.gateway.models import CharCodec, HfCodec, is_char_tokenizer
     from services.worker.loading import DREAM_MASK_ID, LLADA_MASK_ID
     from shared.tokenizer import TOKENIZER_FILE, CharTokenizer, load_hf_tokenizer
 
     directory = Path(model_dir)
-    if _is_char_tokenizer(directory / TOKENIZER_FILE):
+    if is_char_tokenizer(directory / TOKENIZER_FILE):
         return CharCodec(CharTokenizer.from_pretrained(directory))
     config = json.loads((directory / "config.json").read_text())
     mask_id = config.get("mask_token_id", {"llada": LLADA_MASK_ID, "dream": DREAM_MASK_ID}.get(
         str(config.get("model_type", "")).lower(), -1))  # used to render canvases only, which calibration never does
     return HfCodec(load_hf_tokenizer(directory, trust_remote_code), int(mask_id))
-
-
-def _is_char_tokenizer(path: Path) -> bool:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return False
-    return isinstance(data, dict) and data.get("type") == "char"
 
 
 def encode(specs: list[PromptSpec], codec, limits, context: int) -> tuple[list[EncodedPrompt], list[str]]:

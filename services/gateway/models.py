@@ -270,7 +270,7 @@ def _max_sequence_length(config: dict, directory: Path) -> int:
 
 
 def _load_codec(directory: Path, config: dict, chat_template: str | None, trust_remote_code: bool) -> TextCodec:
-    if (directory / TOKENIZER_FILE).exists() and _is_char_tokenizer(directory / TOKENIZER_FILE):
+    if (directory / TOKENIZER_FILE).exists() and is_char_tokenizer(directory / TOKENIZER_FILE):
         try:
             return CharCodec(CharTokenizer.from_pretrained(directory), chat_template)
         except TokenizerError as exc:
@@ -287,7 +287,7 @@ def _load_codec(directory: Path, config: dict, chat_template: str | None, trust_
     return HfCodec(tokenizer, int(mask_id), chat_template)
 
 
-def _is_char_tokenizer(path: Path) -> bool:
+def is_char_tokenizer(path: Path) -> bool:
     """The bundled format's ``tokenizer.json`` (a Hugging Face fast tokenizer uses the same file name)."""
     try:
         data = json.loads(path.read_text())

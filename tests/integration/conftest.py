@@ -125,6 +125,7 @@ class Stack:
 
     url: str
     pid: int
+    said: str = ""  # what dls up printed until it served
 
 
 @contextlib.contextmanager
@@ -148,7 +149,7 @@ def dls_up(run_dir: Path, *args: str, env: dict[str, str] | None = None) -> Iter
             if "is serving" in line:
                 break
         assert wait_serving(url), "".join(lines)
-        yield Stack(url, process.pid)
+        yield Stack(url, process.pid, "".join(lines))
     finally:
         process.send_signal(signal.SIGINT)
         try:

@@ -5,11 +5,6 @@ threshold, and no client sees them."""
 
 from __future__ import annotations
 
-import concurrent.futures
-import os
-import signal
-import subprocess
-import sys
 import time
 import urllib.request
 
@@ -17,7 +12,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from shared.runtime import free_port
-from tests.integration.test_uncalibrated_stack import _env, _post
+from tests.integration.conftest import dls_up
+from tests.integration.test_uncalibrated_stack import overload
 
 pytestmark = pytest.mark.integration
 
@@ -34,25 +30,10 @@ def _metrics(port: int) -> dict[str, float]:
 
 
 def test_lowered_answers_are_decoded_again_at_the_highest_threshold(tmp_path):
-    port, metrics = free_port(), free_port()
-    env = {**_env(), "DLS_SCHEDULER_SHADOW_RATE": "1", "DLS_SCHEDULER_SHADOW_STEP_BUDGET": "1",
-           "DLS_METRICS_PORT": str(metrics)}
-    argv = [sys.executable, "-m", "services.cli", "up", "--port", str(port), "--workers", "2",
-            "--run-dir", str(tmp_path / "stack")]
-    process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        url, lines, deadline = None, [], time.monotonic() + 240
-        while url is None and time.monotonic() < deadline:
-            line = process.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if "is serving" in line:
-                url = line.rsplit(" at ", 1)[1].strip()
-        assert url, "".join(lines)
-        body = {"model": "dls-tiny", "prompt": "12+30=", "max_tokens": 64, "slo_ms": 400}
-        with concurrent.futures.ThreadPoolExecutor(48) as pool:
-            replies = list(pool.map(lambda _: _post(f"{url}/v1/completions", body), range(96)))
+    metrics = free_port()
+    env = {"DLS_SCHEDULER_SHADOW_RATE": "1", "DLS_SCHEDULER_SHADOW_STEP_BUDGET": "1", "DLS_METRICS_PORT": str(metrics)}
+    with dls_up(tmp_path / "stack", env=env) as stack:
+        replies = overload(stack.url, "dls-tiny")
         served = [answer for status, answer in replies if status == 200]
         lowered = [a for a in served if min(a["usage"]["thresholds"]) < 0.9]
         assert lowered, "no answer was served below the highest threshold: nothing to watch"
@@ -69,11 +50,3 @@ def test_lowered_answers_are_decoded_again_at_the_highest_threshold(tmp_path):
         assert values["dls_scheduler_shadow_steps_total"] < values["dls_scheduler_request_steps_total"]
         agreement = [v for k, v in values.items() if k.startswith("dls_scheduler_shadow_agreement")]
         assert agreement and all(0.0 <= a <= 1.0 for a in agreement)
-    finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(90)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            raise
-    assert os.path.exists(tmp_path / "stack" / "logs" / "scheduler.log")

@@ -9,16 +9,15 @@ import concurrent.futures
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 
 from shared.runtime import free_port
+from tests.integration.conftest import dls_up
 
 pytestmark = pytest.mark.integration
 
@@ -54,23 +53,8 @@ def _env() -> dict[str, str]:
 
 def test_an_uncalibrated_model_is_said_so_and_never_served_below_the_highest_threshold(tmp_path):
     model = uncalibrated_copy(tmp_path)
-    port = free_port()
-    argv = [sys.executable, "-m", "services.cli", "up", "--port", str(port), "--workers", "2", "--model", str(model),
-            "--run-dir", str(tmp_path / "stack")]
-    process = subprocess.Popen(argv, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = []
-    try:
-        url = None
-        deadline = time.monotonic() + 240
-        while url is None and time.monotonic() < deadline:
-            line = process.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if "is serving" in line:
-                url = line.rsplit(" at ", 1)[1].strip()
-        said = "".join(lines)
-        assert url == f"http://127.0.0.1:{port}", said
+    with dls_up(tmp_path / "stack", "--model", str(model)) as stack:
+        url, said = stack.url, stack.said
         assert "calibration: NONE" in said and "dls calibrate --model" in said and "UNCALIBRATED" in said, said
         [card] = _get(f"{url}/v1/models")["data"]
         assert card["id"] == "uncal" and card["calibration"]["calibrated"] is False
@@ -79,10 +63,7 @@ def test_an_uncalibrated_model_is_said_so_and_never_served_below_the_highest_thr
         assert cluster["calibration"]["uncal"]["calibrated"] is False
         assert {i["profile"] for i in cluster["instances"]} == {"measured by its worker"}
 
-        # overload: far more requests than two CPU workers serve within a 300 ms SLO, all at once
-        body = {"model": "uncal", "prompt": "12+30=", "max_tokens": 64, "slo_ms": 300}
-        with concurrent.futures.ThreadPoolExecutor(48) as pool:
-            replies = list(pool.map(lambda _: _post(f"{url}/v1/completions", body), range(96)))
+        replies = overload(url, "uncal")
         served = [answer for status, answer in replies if status == 200]
         assert served, replies[:3]
         missed = [answer for answer in served if not answer["usage"]["slo_met"]]
@@ -90,18 +71,18 @@ def test_an_uncalibrated_model_is_said_so_and_never_served_below_the_highest_thr
         thresholds = {t for answer in served for t in answer["usage"]["thresholds"]}
         assert thresholds == {0.9}, thresholds  # quality first: no lowering without a measured curve
         assert all(status in (200, 429, 503) for status, _ in replies), [s for s, _ in replies]
-    finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(90)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            raise
     logs = tmp_path / "stack" / "logs"
     assert "is uncalibrated" in (logs / "scheduler.log").read_text()
     assert "most steps a request can take" in (logs / "predictor.log").read_text()
     workers = [p.read_text() for p in logs.glob("*.log") if "measured the step times" in p.read_text()]
     assert len(workers) == 2  # each worker measured its own step times for the scheduler
+
+
+def overload(url: str, model: str) -> list[tuple[int, dict]]:
+    """Far more requests than two CPU workers serve within a 300 ms SLO, all at once."""
+    body = {"model": model, "prompt": "12+30=", "max_tokens": 64, "slo_ms": 300}
+    with concurrent.futures.ThreadPoolExecutor(48) as pool:
+        return list(pool.map(lambda _: _post(f"{url}/v1/completions", body), range(96)))
 
 
 def test_a_calibration_made_for_other_weights_is_refused_before_anything_starts(tmp_path):
