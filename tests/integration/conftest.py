@@ -8,6 +8,7 @@ fails the test with a message saying how to get it; it is not skipped silently.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -15,6 +16,8 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -156,6 +159,16 @@ def dls_up(run_dir: Path, *args: str, env: dict[str, str] | None = None) -> Iter
             process.wait(90)
         except subprocess.TimeoutExpired:
             process.kill()
+
+
+def post_json(url: str, body: dict, timeout_s: float = 120.0) -> tuple[int, dict]:
+    """POST ``body`` as JSON: (status, the JSON answer), HTTP errors included."""
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")
 
 
 def wait_serving(url: str, timeout_s: float = 120.0) -> bool:

@@ -4,29 +4,19 @@ process it started."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
-import urllib.request
 
 import pytest
 
 from shared.runtime import free_port
 from tests.chaos.cluster import descendants
+from tests.integration.conftest import post_json
 
 pytestmark = pytest.mark.integration
-
-
-def _post(url: str, body: dict) -> tuple[int, dict]:
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as reply:
-            return reply.status, json.loads(reply.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read() or b"{}")
 
 
 def test_dls_up_serves_a_completion_and_stops_cleanly(tmp_path):
@@ -50,11 +40,11 @@ def test_dls_up_serves_a_completion_and_stops_cleanly(tmp_path):
         assert url == f"http://127.0.0.1:{port}", "".join(lines)
         started = descendants(process.pid)
         assert len(started) >= 8  # nats, redis, 5 services, 2 workers
-        status, answer = _post(f"{url}/v1/completions", {"model": "dls-tiny", "prompt": "12+30=", "max_tokens": 16})
+        status, answer = post_json(f"{url}/v1/completions", {"model": "dls-tiny", "prompt": "12+30=", "max_tokens": 16})
         assert status == 200, answer
         assert answer["choices"][0]["text"].strip() == "42"
         assert answer["usage"]["steps"] >= 1
-        status, error = _post(f"{url}/v1/completions", {"model": "dls-tiny", "prompt": "1+1=", "max_tokens": 0})
+        status, error = post_json(f"{url}/v1/completions", {"model": "dls-tiny", "prompt": "1+1=", "max_tokens": 0})
         assert status == 400 and error["error"]["param"] == "max_tokens"
     finally:
         process.send_signal(signal.SIGINT)

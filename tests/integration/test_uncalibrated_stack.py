@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from shared.runtime import free_port
-from tests.integration.conftest import dls_up
+from tests.integration.conftest import dls_up, post_json
 
 pytestmark = pytest.mark.integration
 
@@ -35,15 +35,6 @@ def uncalibrated_copy(tmp_path: Path, name: str = "uncal") -> Path:
 def _get(url: str) -> dict:
     with urllib.request.urlopen(url, timeout=30) as reply:
         return json.loads(reply.read())
-
-
-def _post(url: str, body: dict) -> tuple[int, dict]:
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=120) as reply:
-            return reply.status, json.loads(reply.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read() or b"{}")
 
 
 def _env() -> dict[str, str]:
@@ -82,7 +73,7 @@ def overload(url: str, model: str) -> list[tuple[int, dict]]:
     """Far more requests than two CPU workers serve within a 300 ms SLO, all at once."""
     body = {"model": model, "prompt": "12+30=", "max_tokens": 64, "slo_ms": 300}
     with concurrent.futures.ThreadPoolExecutor(48) as pool:
-        return list(pool.map(lambda _: _post(f"{url}/v1/completions", body), range(96)))
+        return list(pool.map(lambda _: post_json(f"{url}/v1/completions", body), range(96)))
 
 
 def test_a_calibration_made_for_other_weights_is_refused_before_anything_starts(tmp_path):
