@@ -34,7 +34,9 @@ from shared.calibration import CalibrationError, find, uncalibrated_message
 from shared.cli import CliError
 from shared.devices import VISIBLE_DEVICES, DeviceError, cuda_problem, pin
 from shared.redis_target import SENTINEL_SCHEME
+from shared.runtime import free_port_range
 from shared.settings import redact_urls
+from shared.subjects import DEFAULT_PREFIX
 
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -70,7 +72,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--calibration", default=os.environ.get("DLS_CALIBRATION_DIR", ""), metavar="DIR",
                    help="the model's calibration bundle, as `dls calibrate --out` wrote it (default: "
                         "DLS_CALIBRATION_DIR, else <model>/calibration; none: the model is served uncalibrated)")
-    p.add_argument("--run-dir", default="runs/stack", help="logs and server data go here")
+    p.add_argument("--run-dir", default=None,
+                   help="logs and server data go here (default: runs/stack, runs/stack-<port> on another --port)")
     p.add_argument("--ready-timeout", type=float, default=180.0, help="seconds to wait for the gateway")
     p.set_defaults(func=_up)
 
@@ -287,6 +290,40 @@ def service_env(args, nats_url: str, redis_url: str, placement: Placement | None
     return env
 
 
+def keep_apart(env: dict[str, str], shared_servers: list[str], port: int, num_slots: int) -> list[str]:
+    """Keep this stack apart from any other on the servers it did not start (changes ``env``; what it
+    did, to print): subjects and keys under a prefix of its own, ``dls<gateway port>`` (the same at
+    every start of this deployment, so a restart finds its requests again), unless
+    ``DLS_SUBJECT_PREFIX`` / ``DLS_REDIS_KEY_PREFIX`` choose one; and ``/metrics`` ports that are free,
+    where the default range is taken."""
+    said = []
+    if shared_servers:
+        own = f"{DEFAULT_PREFIX}{port}"
+        chosen = {key: env.get(key) or own for key in ("DLS_SUBJECT_PREFIX", "DLS_REDIS_KEY_PREFIX")}
+        env.update(chosen)
+        said.append(f"{' and '.join(shared_servers)} may serve other stacks too: this one's subjects and keys take "
+                    f"the prefixes {chosen['DLS_SUBJECT_PREFIX']} and {chosen['DLS_REDIS_KEY_PREFIX']} "
+                    "(DLS_SUBJECT_PREFIX, DLS_REDIS_KEY_PREFIX)")
+    if "DLS_METRICS_PORT" not in os.environ:
+        size = len(SERVICES) + num_slots + 1  # the services, the node agent's workers (agent port + 1 + slot)
+        if not _free_range(METRICS_BASE_PORT, size):
+            base = free_port_range(size)
+            env["DLS_METRICS_PORT"] = str(base)
+            said.append(f"/metrics: ports {METRICS_BASE_PORT}-{METRICS_BASE_PORT + size - 1} are taken (another "
+                        f"stack?): this one's from {base} (DLS_METRICS_PORT)")
+    return said
+
+
+def _free_range(base: int, size: int) -> bool:
+    for port in range(base, base + size):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                return False
+    return True
+
+
 def metrics_env(env: dict[str, str], service: str) -> dict[str, str]:
     """``env`` with the service's own ``DLS_METRICS_PORT`` on this host: the base port (``DLS_METRICS_PORT``
     if set, 0 turns metrics off; else 9100) plus the service's position in ``SERVICES``. The node agent
@@ -354,6 +391,8 @@ def _auth_line(env: dict[str, str]) -> str:
 
 
 def _up(args) -> int:
+    if args.run_dir is None:  # a second stack on another port keeps its own logs
+        args.run_dir = "runs/stack" if args.port == 8000 else f"runs/stack-{args.port}"
     nats_urls = os.environ.get("DLS_NATS_URL", DEFAULT_NATS_URL)
     nats_url = nats_urls.split(",")[0]  # the server it checks (and starts when nothing answers)
     redis_url = os.environ.get("DLS_REDIS_URL", DEFAULT_REDIS_URL)
@@ -374,15 +413,20 @@ def _up(args) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, on_signal)
     try:
+        shared_servers = []  # servers this stack did not start: another deployment may use them too
         for url, port, start, name in ((nats_url, 4222, start_nats, "NATS"), (redis_url, 6379, start_redis, "Redis")):
             if url.startswith(SENTINEL_SCHEME + "://"):  # a replicated Redis: the operator runs it
                 print(f"{name}: using the primary its Sentinels name at {redact_urls(url)}", flush=True)
+                shared_servers.append(name)
             elif _listening(url, port):
                 print(f"{name}: using the server at {redact_urls(url)}", flush=True)
+                shared_servers.append(name)
             else:
                 print(f"{name}: starting a server at {redact_urls(url)}", flush=True)
                 start(stack, url)
         env = service_env(args, nats_urls, redis_url, placement)  # the services get every server of a cluster
+        for line in keep_apart(env, shared_servers, args.port, placement.num_slots):
+            print(line, flush=True)
         print(_auth_line(env), flush=True)
         print(calibration_line, flush=True)
         if placement.gpus is not None:
