@@ -303,7 +303,7 @@ def keep_apart(env: dict[str, str], shared_servers: list[str], port: int, num_sl
         env.update(chosen)
         said.append(f"{' and '.join(shared_servers)} may serve other stacks too: this one's subjects and keys take "
                     f"the prefixes {chosen['DLS_SUBJECT_PREFIX']} and {chosen['DLS_REDIS_KEY_PREFIX']} "
-                    "(DLS_SUBJECT_PREFIX, DLS_REDIS_KEY_PREFIX)")
+                    "(DLS_SUBJECT_PREFIX, DLS_REDIS_KEY_PREFIX; `dls reconfig` needs the same to reach it)")
     if "DLS_METRICS_PORT" not in os.environ:
         size = len(SERVICES) + num_slots + 1  # the services, the node agent's workers (agent port + 1 + slot)
         if not _free_range(METRICS_BASE_PORT, size):
