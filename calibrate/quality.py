@@ -144,10 +144,17 @@ def run(session: Session, stage_key: dict) -> dict:
     return summary
 
 
+MIN_PER_CANVAS = 20  # problems a canvas needs for a curve of its own (``accuracy@<canvas>``)
+
+
 def _curve(kind: str, by_tau: dict[float, dict], items: list[EncodedPrompt]) -> dict:
-    """accuracy (threshold -> share right or agreeing), families (task families only), mean steps."""
+    """accuracy (threshold -> share right or agreeing), families (task families only), by canvas (each
+    canvas with at least ``MIN_PER_CANVAS`` problems: the scheduler keeps the budget on each request's
+    own canvas, ``canvas_floors``), mean steps."""
     top = by_tau[max(by_tau)]["texts"]
-    accuracy, families, steps = {}, {}, {}
+    accuracy, families, steps, by_canvas = {}, {}, {}, {}
+    canvases = [c for c in sorted({p.gen_length for p in items})
+                if sum(p.gen_length == c for p in items) >= MIN_PER_CANVAS]
     for tau in sorted(by_tau):
         result = by_tau[tau]
         right = result["correct"] if kind != AGREEMENT else [
@@ -158,7 +165,10 @@ def _curve(kind: str, by_tau: dict[float, dict], items: list[EncodedPrompt]) -> 
             for family in dict.fromkeys(p.family for p in items):
                 mine = [r for r, p in zip(right, items, strict=True) if p.family == family]
                 families.setdefault(family, {})[str(tau)] = round(sum(mine) / len(mine), 4)
-    return {"accuracy": accuracy, "families": families, "mean_steps": steps}
+        for canvas in canvases:
+            mine = [r for r, p in zip(right, items, strict=True) if p.gen_length == canvas]
+            by_canvas.setdefault(canvas, {})[str(tau)] = round(sum(mine) / len(mine), 4)
+    return {"accuracy": accuracy, "families": families, "by_canvas": by_canvas, "mean_steps": steps}
 
 
 def _document(session: Session, kind: str, scorer: str, num_items: int, curves: dict, results: dict) -> dict:
@@ -174,6 +184,8 @@ def _document(session: Session, kind: str, scorer: str, num_items: int, curves: 
         document[CURVE_KEYS[mode]] = curve["accuracy"]
     if curves[main]["families"]:
         document["families"] = curves[main]["families"]
+    for canvas, curve in curves[main]["by_canvas"].items():  # as bench.model_card writes them
+        document[f"accuracy@{canvas}"] = curve
     document["mean_steps"] = {mode: curve["mean_steps"] for mode, curve in curves.items()}  # cache mode -> curve
     if kind == AGREEMENT:
         document["note"] = (f"no labelled problems (--eval): each threshold's accuracy is how often its answer is the "
