@@ -70,10 +70,14 @@ def test_an_uncalibrated_model_is_said_so_and_never_served_below_the_highest_thr
 
 
 def overload(url: str, model: str) -> list[tuple[int, dict]]:
-    """Far more requests than two CPU workers serve within a 300 ms SLO, all at once."""
-    body = {"model": model, "prompt": "12+30=", "max_tokens": 64, "slo_ms": 300}
+    """Far more requests than two CPU workers serve within a 300 ms SLO, all at once: word lists (about 11
+    steps each at 0.9) on a 64-token canvas."""
+    from shared.tasks import Family, Split, TaskGenerator
+
+    problems = TaskGenerator(3, family_weights={Family.WORDS: 1.0}).problems(96, 2, split=Split.HELD_OUT)
+    bodies = [{"model": model, "prompt": p.prompt, "max_tokens": 64, "slo_ms": 300} for p in problems]
     with concurrent.futures.ThreadPoolExecutor(48) as pool:
-        return list(pool.map(lambda _: post_json(f"{url}/v1/completions", body), range(96)))
+        return list(pool.map(lambda body: post_json(f"{url}/v1/completions", body), bodies))
 
 
 def test_a_calibration_made_for_other_weights_is_refused_before_anything_starts(tmp_path):
