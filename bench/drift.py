@@ -35,7 +35,6 @@ import os
 import platform
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -48,7 +47,7 @@ from bench.common import emit_json, launch_stack, stop_stack
 from loadgen.driver import poisson_plan, run_plan, summarize
 from services.stack import SERVICES
 from shared.calibration import MANIFEST, PREDICTOR, bundle_dir
-from shared.runtime import free_port
+from shared.runtime import free_port, free_port_range
 from shared.tasks import Family
 
 MAX_TOKENS, BLOCK_LENGTH = 16, 8  # the short families' requests: a canvas of 16 in blocks of 8
@@ -105,24 +104,6 @@ def _note_in_manifest(model: Path, family: str, card: dict) -> None:
 
 
 # --- 2. serve -------------------------------------------------------------------------------------
-
-
-def _free_port_block(size: int) -> int:
-    """A base port with ``size`` free ports from it (the services' /metrics: base + position)."""
-    for _ in range(50):
-        base = free_port()
-        if base + size < 65535 and all(_bindable(base + i) for i in range(size)):
-            return base
-    raise RuntimeError(f"no {size} consecutive free ports found")
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
 
 
 def start_stack(args, model: Path, run_dir: Path, metrics_base: int) -> tuple[subprocess.Popen, str]:
@@ -295,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     calibration = calibrate_copy(args, run_dir)
-    metrics_base = _free_port_block(len(SERVICES) + args.workers + 2)
+    metrics_base = free_port_range(len(SERVICES) + args.workers + 2)
     model = model_copy(args, run_dir)
     process, url = start_stack(args, model, run_dir, metrics_base)
     try:

@@ -34,7 +34,7 @@ from shared.calibration import CalibrationError, find, uncalibrated_message
 from shared.cli import CliError
 from shared.devices import VISIBLE_DEVICES, DeviceError, cuda_problem, pin
 from shared.redis_target import SENTINEL_SCHEME
-from shared.runtime import free_port_range
+from shared.runtime import free_port_range, ports_free
 from shared.settings import redact_urls
 from shared.subjects import DEFAULT_PREFIX
 
@@ -306,22 +306,12 @@ def keep_apart(env: dict[str, str], shared_servers: list[str], port: int, num_sl
                     "(DLS_SUBJECT_PREFIX, DLS_REDIS_KEY_PREFIX; `dls reconfig` needs the same to reach it)")
     if "DLS_METRICS_PORT" not in os.environ:
         size = len(SERVICES) + num_slots + 1  # the services, the node agent's workers (agent port + 1 + slot)
-        if not _free_range(METRICS_BASE_PORT, size):
+        if not ports_free(METRICS_BASE_PORT, size):
             base = free_port_range(size)
             env["DLS_METRICS_PORT"] = str(base)
             said.append(f"/metrics: ports {METRICS_BASE_PORT}-{METRICS_BASE_PORT + size - 1} are taken (another "
                         f"stack?): this one's from {base} (DLS_METRICS_PORT)")
     return said
-
-
-def _free_range(base: int, size: int) -> bool:
-    for port in range(base, base + size):
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", port))
-            except OSError:
-                return False
-    return True
 
 
 def metrics_env(env: dict[str, str], service: str) -> dict[str, str]:

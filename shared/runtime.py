@@ -62,22 +62,28 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def ports_free(base: int, size: int) -> bool:
+    """Are the ``size`` ports from ``base`` free on 127.0.0.1 right now?"""
+    import socket
+
+    for port in range(base, base + size):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                return False
+    return True
+
+
 def free_port_range(size: int, avoid=frozenset()) -> int:
     """A base port with ``size`` ports from it free on 127.0.0.1 right now, none of them in ``avoid``
     (for a stack whose services listen on consecutive ports)."""
-    import socket
-
     for _ in range(200):
         base = free_port()
         if base + size > 65000 or set(avoid) & set(range(base, base + size)):
             continue
-        try:
-            for port in range(base, base + size):
-                with socket.socket() as probe:
-                    probe.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return base
+        if ports_free(base, size):
+            return base
     raise RuntimeError(f"no {size} free ports in a row")
 
 
