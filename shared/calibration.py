@@ -145,14 +145,20 @@ class Calibration:
         return (f"{self.directory} ({self.made_for.get('model', '?')} on {self.device} "
                 f"{self.device_name}, made {self.manifest.get('created', '?')})")
 
+    def _device_difference(self, device: str, device_name: str | None) -> str | None:
+        """What differs between the device it was made on and ``device``: the kind, or on CUDA the GPU model
+        (where both are known); None when nothing does."""
+        if device_kind(device) != self.device:
+            return f"device {self.device} vs {device_kind(device)}"
+        if device_name and self.device == "cuda" and self.device_name and device_name != self.device_name:
+            return f"GPU {self.device_name!r} vs {device_name!r}"
+        return None
+
     def profile_refusal(self, device: str, device_name: str | None = None) -> str | None:
         """Why its profile does not time steps on ``device`` (another kind of device, or on CUDA another
         GPU model), or None."""
-        if device_kind(device) != self.device:
-            difference = f"device {self.device} vs {device_kind(device)}"
-        elif device_name and self.device == "cuda" and self.device_name and device_name != self.device_name:
-            difference = f"GPU {self.device_name!r} vs {device_name!r}"
-        else:
+        difference = self._device_difference(device, device_name)
+        if difference is None:
             return None
         return (f"the profile of {self.directory} was measured on another device ({difference}): not used; "
                 f"calibrate for this one: dls calibrate --model <model> --device {device_kind(device)} --only profile")
@@ -168,11 +174,9 @@ class Calibration:
         tokenizer = tokenizer_fingerprint(model_dir)
         if made.get("tokenizer") != tokenizer:
             differences.append(f"tokenizer {made.get('tokenizer')} vs {tokenizer}")
-        if device is not None and device_kind(device) != self.device:
-            differences.append(f"device {self.device} vs {device_kind(device)}")
-        elif (device_name is not None and self.device == "cuda" and self.device_name
-              and device_name != self.device_name):
-            differences.append(f"GPU {self.device_name!r} vs {device_name!r}")
+        difference = self._device_difference(device, device_name) if device is not None else None
+        if difference is not None:
+            differences.append(difference)
         if differences:
             raise CalibrationMismatch(
                 f"the calibration {self.directory} was made for another model or device than {model_dir}"

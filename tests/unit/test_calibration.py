@@ -106,6 +106,7 @@ def test_the_worker_announces_its_calibrations_profile(recalibrated):
     found = served_calibration(settings)
     profile, online = served_profile(settings, found, engine=None)
     assert profile == str(recalibrated / "calibration" / "profile.json") and online is None
+    # a stand-in engine (no model): a heartbeat reads only the engine's name
     worker = WorkerService(settings, SimpleNamespace(name="uncal"), nc=None, store=None, instance_id="i0",
                            profile=profile, online=online)
     beat = codec.decode(WorkerHeartbeat, worker._beat_bytes())
