@@ -20,7 +20,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _register_train(subparsers) -> None:
-    from services.worker.training import TrainConfig
+    from training.tiny import TrainConfig
 
     p = subparsers.add_parser("train-model", help="train the bundled model on CPU (resumable)")
     defaults = TrainConfig()
@@ -47,7 +47,7 @@ def _int_list(text: str) -> list[int]:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from services.worker.training import TrainConfig, Trainer
+    from training.tiny import TrainConfig, Trainer
 
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
@@ -103,7 +103,7 @@ def _register_generate(subparsers) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from services.worker.engine import CacheMode, DLMEngine, EngineError
+    from services.worker.engine.engine import CacheMode, DLMEngine, EngineError
 
     if not 0.0 <= args.threshold <= 1.0:
         raise CliError(f"--threshold must be between 0 and 1, got {args.threshold}")

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from services.worker.engine import CacheMode, DLMEngine, StepKind
-from services.worker.kv_cache import KVBudgetExceeded
+from services.worker.engine.engine import CacheMode, DLMEngine, StepKind
+from services.worker.kv.cache import KVBudgetExceeded
 
 KINDS = ("recompute_ms", "cache_ms", "full_ms")
 

@@ -5,10 +5,10 @@ the engine can be tested against it token for token. ``cache`` gives Fast-dLLM's
 in its plainest form: a full forward at each block start keeps every position's keys and values;
 the block's later steps run the fresh window (the block for ``dual``, the block and everything after
 it for ``prefix``) and attend to the kept keys and values with the window's fresh ones in their slots.
-Confidences are the engine's (``services/worker/commit.py``: the float64 softmax at the likeliest
+Confidences are the engine's (``services/worker/decoding/commit.py``: the float64 softmax at the likeliest
 token, as LLaDA's and Fast-dLLM's decoders compute it).
 
-``rule`` picks the decoding rule (``services/worker/decoding_rule.py``): ``llada``, the default whatever
+``rule`` picks the decoding rule (``services/worker/decoding/rule.py``): ``llada``, the default whatever
 the model's config says (DiLaServe's rule: the threshold at every step; a shifted model's windows start
 one position before the block), or ``dream``, Fast-dLLM's Dream rule written from its published decoder
 (``dream/model/generation_utils_block.py``): a block's first forward commits the block's first position
@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.worker.commit import greedy_candidates
-from services.worker.decoding_rule import DecodingRule, cache_window_start, parse_rule, select_commits
-from services.worker.model import DLMForMaskedDiffusion
+from services.worker.decoding.commit import greedy_candidates
+from services.worker.decoding.rule import DecodingRule, cache_window_start, parse_rule, select_commits
+from services.worker.model.dlm import DLMForMaskedDiffusion
 
 
 @dataclass

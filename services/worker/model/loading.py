@@ -7,7 +7,7 @@
 * Dream (``model_type: Dream``): Qwen2-style names (``model.layers.N.self_attn.q_proj`` ...),
   grouped-query attention with q/k/v biases, logits shifted by one position.
 
-Each family's decoding rule (``services/worker/decoding_rule.py``) is set on the model config
+Each family's decoding rule (``services/worker/decoding/rule.py``) is set on the model config
 (``config.decoding_rule``): ``llada`` for the bundled model and LLaDA, Fast-dLLM's ``dream`` rule for
 Dream; a ``decoding_rule`` field in ``config.json`` chooses another.
 
@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch
 
-from services.worker.decoding_rule import CONFIG_KEY as RULE_KEY
-from services.worker.decoding_rule import DecodingRule, parse_rule
-from services.worker.model import DLMConfig, DLMForMaskedDiffusion
+from services.worker.decoding.rule import CONFIG_KEY as RULE_KEY
+from services.worker.decoding.rule import DecodingRule, parse_rule
+from services.worker.model.dlm import DLMConfig, DLMForMaskedDiffusion
 from shared.generation import GenerationLimits, read_generation_limits
 from shared.tokenizer import TOKENIZER_FILE, CharTokenizer, TokenizerError, load_hf_tokenizer
 

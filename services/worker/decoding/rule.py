@@ -27,7 +27,7 @@ threshold decoding with its prefix and dual caches):
 
 Without a cache every step is a full forward, and the same two commit cases apply. Candidates and
 confidences are the engine's in both rules (the mask token never an answer; sampling as
-``services/worker/sampling.py`` draws). Fast-dLLM's own loop also runs one cache forward after the
+``services/worker/decoding/sampling.py`` draws). Fast-dLLM's own loop also runs one cache forward after the
 block's first forward when a block of one position is already complete; that forward commits nothing,
 and neither the reference nor the engine runs it.
 """

@@ -26,7 +26,7 @@ stops it reports the blocks it skipped (each would have cost one forward at leas
 masked position) first holds one of them: its answer ends before that string (``stop_length``), the
 rest of the canvas becomes EOS padding.
 
-Sampling (``services/worker/sampling.py``): a request with a temperature above 0 draws each
+Sampling (``services/worker/decoding/sampling.py``): a request with a temperature above 0 draws each
 position's candidate with Gumbel noise (after its top-k / top-p cut), keyed by its seed and step
 index, so it draws the same on any instance; the commit rule compares the model's probability of the
 drawn token with the threshold. Greedy requests (temperature 0) take the argmax exactly as before.
@@ -34,7 +34,7 @@ Every committed position records the probability it was committed with (``Reques
 and, when asked (``num_top_logprobs``), the most likely tokens there: what ``logprobs`` returns.
 
 Packed batches: a forward concatenates its requests' fresh tokens into one sequence (no padding);
-attention knows where each request's rows lie (``services/worker/attention.py``: flash-attn's varlen
+attention knows where each request's rows lie (``services/worker/attention/step.py``: flash-attn's varlen
 kernel on CUDA, SDPA per request elsewhere, the same tokens either way). The LM head runs only on the
 rows of each request's current block, and, in a full forward of a request that stops at EOS, on the
 canvas positions after it: where the first position whose most likely token is EOS lies is where
@@ -42,7 +42,7 @@ the model expects the answer to end (``RequestState.predicted_end``), which the 
 (how many blocks are left to run). That costs the LM head over the rest of the canvas once per block
 (``predict_end=False``: never).
 
-The KV cache is read in place (``services/worker/kv_cache.py``): each cached request owns a
+The KV cache is read in place (``services/worker/kv/cache.py``): each cached request owns a
 contiguous run of pages of one pool, slot ``p`` holding position ``p`` with RoPE applied. A recompute
 step writes the positions later cache steps read (all of them for ``dual``, those before the block
 for ``prefix``); a cache step overwrites its fresh window's slots with the fresh keys and values and
@@ -67,19 +67,26 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from services.worker.attention import (
+from services.worker.attention.step import (
     FLASH_PAGE_SIZE,
     AttentionBackend,
     KeyLayout,
     StepLayout,
     resolve_backend,
 )
-from services.worker.decoding_rule import DecodingRule, cache_window_start, decoding_rule
-from services.worker.kv_cache import KVBudgetExceeded as KVBudgetExceeded  # re-exported: what step raises
-from services.worker.kv_cache import PagedKVCache
-from services.worker.model import DLMForMaskedDiffusion
-from services.worker.runner import GRAPH_BUCKETS, ForwardBatch, ModelRunner, SampledRows, StepOutput, TopRows
-from services.worker.sampling import MAX_TOP_LOGPROBS, SamplingParams, noise_seed
+from services.worker.decoding.rule import DecodingRule, cache_window_start, decoding_rule
+from services.worker.decoding.sampling import MAX_TOP_LOGPROBS, SamplingParams, noise_seed
+from services.worker.kv.cache import KVBudgetExceeded as KVBudgetExceeded  # re-exported: what step raises
+from services.worker.kv.cache import PagedKVCache
+from services.worker.model.dlm import DLMForMaskedDiffusion
+from services.worker.runner.runner import (
+    GRAPH_BUCKETS,
+    ForwardBatch,
+    ModelRunner,
+    SampledRows,
+    StepOutput,
+    TopRows,
+)
 from shared.generation import Answer, answer_of, canvas_length, stop_length
 from shared.messages.base import CacheMode, StepKind
 from shared.tokenizer import answer_text
@@ -282,8 +289,8 @@ class DLMEngine:
     ) -> None:
         """``attention``: ``auto`` (flash-attn where it runs, else PyTorch's varlen op on CUDA, else
         flex_attention on CUDA, else SDPA), ``flash``, ``torch_varlen``, ``flex`` or ``sdpa``
-        (``services/worker/attention.py``). ``cuda_graphs``: replay dual-cache steps from CUDA graphs
-        (``services/worker/runner.py``; default: on CUDA with a varlen kernel; False turns them off).
+        (``services/worker/attention/step.py``). ``cuda_graphs``: replay dual-cache steps from CUDA graphs
+        (``services/worker/runner/runner.py``; default: on CUDA with a varlen kernel; False turns them off).
         ``kv_page_size``: slots per KV page (flash-attn needs 256; SDPA defaults to 16).
         ``kv_capacity_tokens``: positions the KV pool holds from the start (it grows when full).
         ``kv_budget_bytes``: the most the KV pool may take (0: no cap; ``set_kv_budget`` later).
@@ -300,7 +307,7 @@ class DLMEngine:
         self.mask_id = model.config.mask_token_id
         self.eos_id = model.config.eos_token_id
         self.shift = int(getattr(model.config, "logits_shift", 0))
-        self.rule = decoding_rule(model.config)  # the family's decoding rule (services/worker/decoding_rule.py)
+        self.rule = decoding_rule(model.config)  # the family's decoding rule (services/worker/decoding/rule.py)
         block = model.model.transformer.blocks[0]  # a tensor-parallel shard holds only its own heads
         backend = resolve_backend(attention, model.device, model.dtype, block.head_dim,
                                   gqa=block.n_kv_heads != block.n_heads)
@@ -316,7 +323,7 @@ class DLMEngine:
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, device: str = "cpu", **kwargs) -> DLMEngine:
-        from services.worker.loading import load_model
+        from services.worker.model.loading import load_model
 
         loaded = load_model(directory, device=device)
         return cls(

@@ -12,7 +12,7 @@ def rank_gpus(device: str, tp: int, env: Mapping[str, str] | None = None) -> lis
     """The machine's GPUs (as CUDA numbers them, or the UUIDs ``CUDA_VISIBLE_DEVICES`` names) that
     ranks 0..tp-1 of an instance on ``device`` run on: the engine's placement (``tp.rank_device``)
     through this environment's ``CUDA_VISIBLE_DEVICES``; ``device`` itself per rank when not CUDA."""
-    from services.worker.tp import rank_device
+    from services.worker.parallel.tp_engine import rank_device
 
     env = os.environ if env is None else env
     devices = [rank_device(device, rank) for rank in range(tp)]

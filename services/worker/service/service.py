@@ -1,6 +1,6 @@
 """The worker service: one model instance (TP degree d) that runs the batched steps the scheduler sends.
 
-A thin loop around the engine (``services/worker/engine.py``, or ``tp.py`` for d > 1):
+A thin loop around the engine (``services/worker/engine/engine.py``, or ``tp.py`` for d > 1):
 
 - ``step.<instance>``: a ``StepCommand``. Each item names a request, its threshold and the state
   version the step starts from. The worker steps from its local copy (and KV cache) when it holds
@@ -41,9 +41,9 @@ import msgspec
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
-from services.worker.beats import BeatThread
-from services.worker.kv_cache import KVBudgetExceeded
-from services.worker.online_profile import OnlineProfile
+from services.worker.kv.cache import KVBudgetExceeded
+from services.worker.service.heartbeat import BeatThread
+from services.worker.service.online_profile import OnlineProfile
 from shared.calibration import Calibration, of_service, uncalibrated_message
 from shared.devices import VISIBLE_DEVICES, DeviceError, cuda_problem, is_cuda
 from shared.generation import answer_of, stream_release
@@ -85,7 +85,7 @@ logger = logging.getLogger("dls.worker")
 class _Local:
     """A request this worker stepped last: its engine state and the record it wrote."""
 
-    state: object  # services.worker.engine.RequestState
+    state: object  # services.worker.engine.engine.RequestState
     record: RequestRecord  # as stored after this worker's last write (its version is the stored one)
 
 
@@ -112,7 +112,7 @@ class WorkerService:
     ) -> None:
         """``clock``: unix time (default ``time.time``, offset by ``DLS_TEST_CLOCK_OFFSET_S`` when set);
         ``beat_connect``: makes a NATS connection of its own for the periodic heartbeats, which then go
-        from a thread of their own (``services.worker.beats``: a step that holds the event loop cannot
+        from a thread of their own (``services.worker.service.heartbeat``: a step that holds the event loop cannot
         delay them); None: they go from a task on this loop over ``nc``. ``profile``: the served model's
         calibrated profile for this device (``shared.calibration``); ``online``: the step times this
         worker measures, which its heartbeats carry when it announces no profile (uncalibrated)."""
@@ -628,8 +628,8 @@ class WorkerService:
         span.end(end_time=start_ns + int(duration_s * 1e9))
 
     def _state_of(self, record: RequestRecord):
-        from services.worker.engine import RequestState
-        from services.worker.sampling import SamplingParams
+        from services.worker.decoding.sampling import SamplingParams
+        from services.worker.engine.engine import RequestState
 
         return RequestState(
             record.request_id, list(record.prompt_token_ids), list(record.canvas), record.block_length,
@@ -779,7 +779,7 @@ def _wire_confidence(stats) -> WireConfidence:
 def make_engine(settings: WorkerSettings):
     """The instance's engine: a plain ``DLMEngine`` at TP 1, a ``TensorParallelEngine`` above; the model's
     tokenizer code runs only with ``DLS_TRUST_REMOTE_CODE`` (as in the gateway)."""
-    from services.worker.tp import make_engine as make_any_engine
+    from services.worker.parallel.tp_engine import make_engine as make_any_engine
 
     return make_any_engine(settings.model_dir, settings.tp, settings.device,
                            trust_remote_code=settings.trust_remote_code)
@@ -844,7 +844,7 @@ async def warm_up(engine) -> None:
 
 async def serve(settings: WorkerSettings) -> None:
 
-    from services.worker.devices import rank_gpus
+    from services.worker.parallel.placement import rank_gpus
     from shared.state import RedisStateStore
 
     check_device(settings)

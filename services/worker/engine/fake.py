@@ -8,7 +8,14 @@ versioned writes, events, results) is real, so what a benchmark measures is the 
 
 from __future__ import annotations
 
-from services.worker.engine import CacheMode, ConfidenceStats, EngineError, RequestState, StepKind, StepResult
+from services.worker.engine.engine import (
+    CacheMode,
+    ConfidenceStats,
+    EngineError,
+    RequestState,
+    StepKind,
+    StepResult,
+)
 
 FILL_ID = 5  # the token the fake commits
 

@@ -39,11 +39,11 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-from services.worker.engine import CacheMode, DLMEngine, RequestState, StepKind, StepResult
-from services.worker.kv_cache import KVBudgetExceeded
-from services.worker.loading import load_model
-from services.worker.model import DLMConfig, DLMForMaskedDiffusion
-from services.worker.sampling import SamplingParams
+from services.worker.decoding.sampling import SamplingParams
+from services.worker.engine.engine import CacheMode, DLMEngine, RequestState, StepKind, StepResult
+from services.worker.kv.cache import KVBudgetExceeded
+from services.worker.model.dlm import DLMConfig, DLMForMaskedDiffusion
+from services.worker.model.loading import load_model
 
 _HOST = "127.0.0.1"
 _START_POLL_S = 0.1  # how often rank 0 checks on children while they start

@@ -48,7 +48,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from services.worker.kv_cache import PagedKVCache
+from services.worker.kv.cache import PagedKVCache
 
 logger = logging.getLogger(__name__)
 

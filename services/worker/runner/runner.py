@@ -9,8 +9,8 @@ block positions are still masked and each request's threshold). The runner:
    **one** host-to-device transfer (pinned memory on CUDA); nothing in the step turns a Python list
    into a device tensor per request, and attention metadata is built once per step, not per layer;
 2. runs **one** forward for the whole batch, recompute and cache requests together, with one
-   attention call per layer (``services/worker/attention.py``);
-3. applies the commit rule on the device for the whole batch (``services/worker/commit.py``), with
+   attention call per layer (``services/worker/attention/step.py``);
+3. applies the commit rule on the device for the whole batch (``services/worker/decoding/commit.py``), with
    sampled requests' draws and top-logprob candidates computed there too;
 4. brings back **one** small float64 tensor (each block row's probability, token and commit flag;
    tokens of the lookahead rows; top candidates where asked): one device-to-host transfer.
@@ -34,11 +34,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from services.worker.attention import AttentionBackend, KeyLayout, StepAttention, StepLayout
-from services.worker.commit import commit_mask, greedy_candidates
-from services.worker.kv_cache import PagedKVCache
-from services.worker.model import DLMForMaskedDiffusion
-from services.worker.sampling import SamplingParams, sample, top_candidates
+from services.worker.attention.step import AttentionBackend, KeyLayout, StepAttention, StepLayout
+from services.worker.decoding.commit import commit_mask, greedy_candidates
+from services.worker.decoding.sampling import SamplingParams, sample, top_candidates
+from services.worker.kv.cache import PagedKVCache
+from services.worker.model.dlm import DLMForMaskedDiffusion
 
 logger = logging.getLogger(__name__)
 

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from services.worker.model import DLMConfig, DLMForMaskedDiffusion
+from services.worker.model.dlm import DLMConfig, DLMForMaskedDiffusion
 from shared.tasks import (
     CHAIN_MIN_ITEMS,
     Family,
@@ -241,7 +241,7 @@ def evaluate(model, tokenizer, cfg: TrainConfig, threshold: float = 0.9, seed: i
     """Validity / exact match and mean steps on held-out problems per setting (``EVAL_SETTINGS``;
     without a cache, batched: the reference path's tokens, which tests hold it to, unless a setting
     names the dual cache)."""
-    from services.worker.engine import CacheMode, DLMEngine
+    from services.worker.engine.engine import CacheMode, DLMEngine
 
     model.eval()
     engine = DLMEngine(model, tokenizer)

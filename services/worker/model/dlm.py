@@ -14,7 +14,7 @@ Two forwards:
   ``context_valid`` (which cached slots are real) and ``return_kv`` (hand back the fresh keys and
   values, to become the cache).
 * ``forward_packed``: the engine's path. The batch's fresh tokens are one sequence ``[T]`` with no
-  padding; attention is a callable (``services/worker/attention.py``) that knows where each
+  padding; attention is a callable (``services/worker/attention/step.py``) that knows where each
   request's rows and cached keys lie; logits are computed only for the rows asked for.
 
 RoPE: cos/sin come from a table built once per model and device (rows looked up by position, once
@@ -71,7 +71,7 @@ class DLMConfig(PretrainedConfig):
         # RoPE computed in float32 whatever the model's dtype (LLaDA's config key of the same name; true for
         # LLaDA-8B). Dream (Qwen2) rotates in the model's dtype: its loader sets it false
         self.rope_full_precision = rope_full_precision
-        self.decoding_rule = decoding_rule  # the family's decoding rule (services/worker/decoding_rule.py)
+        self.decoding_rule = decoding_rule  # the family's decoding rule (services/worker/decoding/rule.py)
         self.mask_token_id = mask_token_id
         self.tie_word_embeddings = tie_word_embeddings  # Dream checkpoints may share wte and the LM head
         super().__init__(pad_token_id=pad_token_id, eos_token_id=eos_token_id, **kwargs)

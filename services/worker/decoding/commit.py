@@ -5,9 +5,9 @@ A step's candidates: at each position, the likeliest token (the mask token exclu
 answer) and its probability, the float32 softmax of the logits at that token whatever the model's
 dtype (LLaDA's and Fast-dLLM's decoders take ``F.softmax(logits.to(torch.float64))``, which agrees with
 it to about 1e-7: a threshold decision could differ only for a probability that close to it).
-A sampled request draws its candidates instead (``services/worker/sampling.py``).
+A sampled request draws its candidates instead (``services/worker/decoding/sampling.py``).
 
-The rule (``services/worker/decoding_rule.py`` has each model family's, and ``select_commits``, its
+The rule (``services/worker/decoding/rule.py`` has each model family's, and ``select_commits``, its
 one-request form): commit every still-masked position of the block whose candidate's probability is
 above the request's threshold (at least the threshold, under Dream's rule), and at least the most
 confident one (the first, on a tie). Which positions may be committed at all (``eligible``) is the
