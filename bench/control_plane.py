@@ -3,7 +3,7 @@
 Processes: nats-server, redis-server, this process (the scheduler service plus a closed-loop driver
 that keeps ``--requests`` requests in flight by publishing intake messages directly, as the gateway
 would), and one worker process holding ``--instances`` worker services whose engine is
-``services.worker.zero_engine.ZeroComputeEngine`` (no model: what is measured is everything around a
+``services.worker.engine.fake.ZeroComputeEngine`` (no model: what is measured is everything around a
 step). Each worker records, for every step, the time since it published its previous results:
 the per-step overhead. A step that waited for a command pays the round trip (scheduler decode,
 core decision, dispatch, two NATS hops; the worker's own Redis write is part of its step, not of
@@ -54,8 +54,8 @@ PROFILE = "profiles/llada-8b-h100.json"
 async def run_workers(args) -> None:
     import nats
 
-    from services.worker.service import WorkerService
-    from services.worker.zero_engine import ZeroComputeEngine
+    from services.worker.engine.fake import ZeroComputeEngine
+    from services.worker.service.service import WorkerService
     from shared.messages import codec
     from shared.messages.steps import StepCommand
     from shared.settings import WorkerSettings

@@ -65,8 +65,8 @@ from pathlib import Path
 import torch
 
 from bench.common import emit_json
-from services.worker.engine import CacheMode, DLMEngine, StepKind
-from services.worker.model import DLMConfig, DLMForMaskedDiffusion, apply_rope
+from services.worker.engine.engine import CacheMode, DLMEngine, StepKind
+from services.worker.model.dlm import DLMConfig, DLMForMaskedDiffusion, apply_rope
 from services.worker.profiling import measure as measure_step_latency
 
 

@@ -39,7 +39,7 @@ WORKER_HISTOGRAMS = ("dls_worker_step_seconds", "dls_tokens_per_forward")
 
 def expected_answers(model_dir: str) -> list[dict]:
     """Held-out prompts and what the bundled model on the CPU answers at 0.9."""
-    from services.worker.engine import DLMEngine
+    from services.worker.engine.engine import DLMEngine
     from shared.tasks import Family, Split, TaskGenerator, check_answer
 
     engine = DLMEngine.from_pretrained(model_dir, device="cpu")

@@ -153,7 +153,7 @@ Prompts carry 0 to {cfg['max_shots']} worked examples of the short families (one
 
 ## Training
 
-`dls train-model` (see `services/worker/training.py`): answers padded with EOS to a canvas drawn per
+`dls train-model` (see `training/tiny.py`): answers padded with EOS to a canvas drawn per
 batch (from one block to {cfg.get('max_gen_length', cfg['gen_length'])}, a share shorter than the answer and cut there),
 LLaDA's mask ratio t ~ U(0,1) over the canvas for half of the rows and semi-autoregressive masking
 (a clean prefix, one block masked at ratio t, the rest masked) for the other half, loss on masked

@@ -4,7 +4,7 @@ serving engine on this device (``services.worker.profiling``), in the ``shared.p
 The context is anchored as `dls profile` anchors it: the model's default canvas plus a prompt (the
 median prompt of --prompts, the bundled model's median task prompt, or --prompt-tokens). Batches double
 from 1 up to --max-batch; on a GPU a batch that runs out of memory ends the curve there. TP > 1 runs the
-worker's tensor-parallel engine (``services/worker/tp.py``: one process per rank, gloo on a CPU, NCCL on
+worker's tensor-parallel engine (``services/worker/parallel/tp_engine.py``: one process per rank, gloo on a CPU, NCCL on
 GPUs). Every batch measured is kept in ``work/profile-partial.json``, so a stopped run measures only what
 it had not.
 """
@@ -110,7 +110,7 @@ class _tp_engine:
     def __enter__(self):
         if self.tp == 1:
             return self.session.engine
-        from services.worker.tp import make_engine
+        from services.worker.parallel.tp_engine import make_engine
 
         per_rank = max(1, self.threads // self.tp)
         self.session.progress.note(f"profile: starting TP {self.tp} ({self.tp} ranks, {per_rank} threads each)")

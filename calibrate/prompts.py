@@ -219,7 +219,7 @@ def _sharegpt(text: str) -> list[PromptSpec]:
 def load_codec(model_dir: str | Path, trust_remote_code: bool = False):
     """The served model's tokenizer wrapped as the gateway wraps it (``services.gateway.models``)."""
     from services.gateway.models import CharCodec, HfCodec, is_char_tokenizer
-    from services.worker.loading import DREAM_MASK_ID, LLADA_MASK_ID
+    from services.worker.model.loading import DREAM_MASK_ID, LLADA_MASK_ID
     from shared.tokenizer import TOKENIZER_FILE, CharTokenizer, load_hf_tokenizer
 
     directory = Path(model_dir)

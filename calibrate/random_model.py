@@ -6,7 +6,7 @@ architecture whose weights are not here (step times do not depend on the weights
 
 The architectures are ``bench.engine_speed``'s (``llada-8b``: LLaDA-8B's config, bf16; ``llada-small`` and
 ``llada-tiny`` for a CPU), written as LLaDA's layout (``config.json`` with ``model_type: llada``, one
-``model.safetensors``), which ``services.worker.loading`` loads in the weights' own dtype. No tokenizer:
+``model.safetensors``), which ``services.worker.model.loading`` loads in the weights' own dtype. No tokenizer:
 such a directory can be profiled, not asked anything. ``scripts/gpu-check.sh`` uses it.
 """
 

@@ -81,7 +81,7 @@ class Session:
 
     @cached_property
     def engine(self):
-        from services.worker.engine import DLMEngine
+        from services.worker.engine.engine import DLMEngine
 
         self.progress.note(f"loading {self.setup.model_dir} on {self.setup.device}")
         engine = DLMEngine.from_pretrained(self.setup.model_dir, device=self.setup.device)

@@ -209,7 +209,7 @@ class LatencyProfile:
 def online_profile(model: str, tp: int, context_tokens: int, block_length: int,
                    ms_by_kind: dict[str, dict[int, float]], served_steps: int) -> LatencyProfile:
     """The profile of an instance whose worker measured its own step times (an uncalibrated model:
-    ``services.worker.online_profile``), noisy points smoothed (``min-over-larger``); ``ProfileError``
+    ``services.worker.service.online_profile``), noisy points smoothed (``min-over-larger``); ``ProfileError``
     when a step kind is missing."""
     kinds = {kind: points for kind, points in ms_by_kind.items() if points or kind in STEP_KINDS}
     return LatencyProfile.from_dict({

@@ -109,7 +109,7 @@ class ModelEngine:
     def __init__(self, model_dir: str | Path = DEFAULT_MODEL_DIR, rng: np.random.Generator | None = None) -> None:
         import torch
 
-        from services.worker.engine import DLMEngine
+        from services.worker.engine.engine import DLMEngine
 
         torch.set_num_threads(1)
         self._engine = DLMEngine.from_pretrained(model_dir)
@@ -305,7 +305,7 @@ def _record(
 ) -> ReplayTrace:
     import torch
 
-    from services.worker.engine import DLMEngine
+    from services.worker.engine.engine import DLMEngine
 
     torch.set_num_threads(1)
     engine = DLMEngine.from_pretrained(model_dir)

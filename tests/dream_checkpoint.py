@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-from services.worker.model import DLMConfig, DLMForMaskedDiffusion
+from services.worker.model.dlm import DLMConfig, DLMForMaskedDiffusion
 
 NUM_BYTES = 256
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>")  # ids 256..259

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 MAX_PRIORITY = 2**31 - 1  # priorities are 32-bit signed integers
 MAX_SEED = 2**63 - 1  # seeds are non-negative 64-bit signed integers
 MAX_CHOICES = 16  # most choices (n) per request: each is a request of its own in the cluster
-MAX_TOP_LOGPROBS = 20  # OpenAI's limit (services.worker.sampling.MAX_TOP_LOGPROBS)
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit (services.worker.decoding.sampling.MAX_TOP_LOGPROBS)
 MAX_STOP_STRINGS = 16  # most stop strings per request
 MAX_STOP_CHARS = 256  # longest stop string
 

@@ -90,7 +90,7 @@ def _collect(args: argparse.Namespace) -> int:
     import torch
 
     from services.predictor.traces import CollectConfig, collect_traces, write_traces
-    from services.worker.engine import DLMEngine, EngineError
+    from services.worker.engine.engine import DLMEngine, EngineError
     from shared.tasks import Split, TaskGenerator
 
     torch.set_num_threads(args.threads)

@@ -30,7 +30,7 @@ class Part(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
 
 class CacheMode(StrEnum):
     """Approximate KV cache of a request (DESIGN section 4): the one definition, used by the wire,
-    the engine (``services.worker.engine``) and the scheduler core alike."""
+    the engine (``services.worker.engine.engine``) and the scheduler core alike."""
 
     NONE = "none"  # every step is a full forward
     PREFIX = "prefix"  # recompute at each block start; cache steps run block + suffix
@@ -67,7 +67,7 @@ class RequestStatus(IntEnum):
 class ConfidenceStats(Part, kw_only=True):
     """Confidences of the current block's positions still masked after a step (1.0 when none).
 
-    Mirrors ``services.worker.engine.ConfidenceStats``; ``as_tuple`` is the predictor's order.
+    Mirrors ``services.worker.engine.engine.ConfidenceStats``; ``as_tuple`` is the predictor's order.
     """
 
     min: float  # lowest confidence

@@ -72,7 +72,7 @@ class StepFailure(Part, kw_only=True):
 
 
 class RequestStepResult(Part, kw_only=True):
-    """One request's outcome of a step: ``services.worker.engine.StepResult`` plus what only the worker
+    """One request's outcome of a step: ``services.worker.engine.engine.StepResult`` plus what only the worker
     can tell without the canvas (``block_done``) and the state version it wrote."""
 
     request_id: str  # the request this result is for

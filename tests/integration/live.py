@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 import nats
 
 from services.scheduler.service import SchedulerService
-from services.worker.engine import CacheMode, DLMEngine
-from services.worker.service import WorkerService
+from services.worker.engine.engine import CacheMode, DLMEngine
+from services.worker.service.service import WorkerService
 from shared.jetstream import ensure_intake_stream, publish_request
 from shared.messages import codec
 from shared.messages.base import CacheMode as WireCacheMode

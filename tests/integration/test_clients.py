@@ -18,7 +18,7 @@ import asyncio
 import httpx
 import pytest
 
-from services.worker.engine import DLMEngine
+from services.worker.engine.engine import DLMEngine
 from shared.tasks import Family, Split, TaskGenerator, check_answer
 from tests.integration.conftest import dls_up
 

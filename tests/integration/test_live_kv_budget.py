@@ -16,7 +16,7 @@ import nats
 import openai
 import pytest
 
-from services.worker.engine import DLMEngine
+from services.worker.engine.engine import DLMEngine
 from shared.messages import codec
 from shared.messages.control import WorkerHeartbeat
 from shared.runtime import free_port

@@ -9,8 +9,8 @@ import math
 
 import pytest
 
-from services.worker.engine import CacheMode
-from services.worker.sampling import SamplingParams
+from services.worker.decoding.sampling import SamplingParams
+from services.worker.engine.engine import CacheMode
 from shared.messages.events import RequestFinished, RequestProgress
 from shared.tasks import Family, Split, TaskGenerator
 from tests.integration.live import H100_PROFILE, LiveCluster, engine, fresh_engine

@@ -9,7 +9,7 @@ ever since: its heartbeats go on, its step never returns), FAKE_WORKER_MUTE_SECO
 process on this GPU never sends a heartbeat: a restart that hangs before it is READY),
 FAKE_WORKER_DEVICES_DIR (before its first heartbeat it writes ``<instance id>.json`` there: the
 ``CUDA_VISIBLE_DEVICES`` it was given and the machine's GPUs its engine would put its ranks on,
-``services.worker.devices.rank_gpus`` for the device its settings name)."""
+``services.worker.parallel.placement.rank_gpus`` for the device its settings name)."""
 
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ async def main():
         sys.exit(3)
     started_at = time.time()
     if os.environ.get("FAKE_WORKER_DEVICES_DIR"):
-        from services.worker.devices import rank_gpus
+        from services.worker.parallel.placement import rank_gpus
         from shared.settings import WorkerSettings
 
         settings = WorkerSettings()

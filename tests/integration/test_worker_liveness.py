@@ -1,5 +1,5 @@
 """A worker busy with steps longer than its lease TTL stays alive to the scheduler and the gateway: its
-heartbeats go from a thread of their own (``services.worker.beats``), which nothing on its event loop can
+heartbeats go from a thread of their own (``services.worker.service.heartbeat``), which nothing on its event loop can
 delay. The worker runs on an event loop of its own thread (as in a process of its own) with a FAKE engine
 that holds that loop for longer than the lease at every step; the scheduler and the gateway's bus run on
 the test's loop against real nats-server and redis-server. The same worker with its heartbeats on its
@@ -16,8 +16,8 @@ import nats
 import pytest
 
 from services.gateway.bus import GatewayBus
-from services.worker.service import WorkerService
-from services.worker.zero_engine import ZeroComputeEngine
+from services.worker.engine.fake import ZeroComputeEngine
+from services.worker.service.service import WorkerService
 from shared.messages.events import RequestFinished
 from shared.settings import GatewaySettings, WorkerSettings
 from shared.state import RedisStateStore

@@ -11,8 +11,8 @@ import time
 import nats
 import pytest
 
-from services.worker.service import WorkerService
-from services.worker.zero_engine import FILL_ID, ZeroComputeEngine
+from services.worker.engine.fake import FILL_ID, ZeroComputeEngine
+from services.worker.service.service import WorkerService
 from shared.messages import codec
 from shared.messages.base import CacheMode
 from shared.messages.steps import StepCommand, StepItem, StepResults

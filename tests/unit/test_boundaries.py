@@ -83,7 +83,7 @@ def test_the_tree_keeps_its_boundaries():
 
 
 @pytest.mark.parametrize(("path", "source", "expected"), [
-    ("shared/a.py", "from services.worker.engine import StepResult\n", "shared/a.py: services.worker.engine"),
+    ("shared/a.py", "from services.worker.engine.engine import StepResult\n", "shared/a.py: services.worker.engine.engine"),
     ("shared/b.py", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import services.gateway.app\n",
      "shared/b.py: services.gateway.app"),
     ("shared/c.py", "import importlib\nimportlib.import_module('services.stack')\n", "shared/c.py: services.stack"),
@@ -91,8 +91,8 @@ def test_the_tree_keeps_its_boundaries():
      "services/gateway/x.py: services.predictor.adapters"),
     ("services/gateway/y.py", "from services.scheduler.core import Request\n",
      "services/gateway/y.py: services.scheduler.core"),
-    ("services/predictor/cli.py", "from services.worker.service import WorkerService\n",
-     "services/predictor/cli.py: services.worker.service"),
+    ("services/predictor/cli.py", "from services.worker.service.service import WorkerService\n",
+     "services/predictor/cli.py: services.worker.service.service"),
     ("sim/z.py", "from services.scheduler.service import SchedulerService\n",
      "sim/z.py: services.scheduler.service"),
     ("sim/w.py", "from loadgen.driver import Driver\n", "sim/w.py: loadgen.driver"),
@@ -105,8 +105,8 @@ def test_a_crossing_import_is_found(tmp_path, path, source, expected):
 
 
 @pytest.mark.parametrize(("path", "source"), [
-    ("services/predictor/cli.py", "from services.worker.engine import DLMEngine\n"),  # an offline tool, a core
-    ("sim/a.py", "from services.scheduler.core.loop import SchedulingLoop\nfrom services.worker.engine import X\n"),
+    ("services/predictor/cli.py", "from services.worker.engine.engine import DLMEngine\n"),  # an offline tool, a core
+    ("sim/a.py", "from services.scheduler.core.loop import SchedulingLoop\nfrom services.worker.engine.engine import X\n"),
     ("services/gateway/a.py", "from services.gateway.slo import DefaultSlo\nfrom shared.state import RequestRecord\n"),
     ("services/cli.py", "import importlib\nimportlib.import_module('services.worker.cli')\n"),
 ])

@@ -100,7 +100,7 @@ def test_a_bundle_for_another_gpu_model_is_refused(recalibrated):
 
 
 def test_the_worker_announces_its_calibrations_profile(recalibrated):
-    from services.worker.service import WorkerService, served_calibration, served_profile
+    from services.worker.service.service import WorkerService, served_calibration, served_profile
 
     settings = WorkerSettings(model_dir=str(recalibrated))
     found = served_calibration(settings)
@@ -114,8 +114,8 @@ def test_the_worker_announces_its_calibrations_profile(recalibrated):
 
 
 def test_the_worker_of_an_uncalibrated_model_measures_its_step_times_and_sends_them(uncalibrated):
-    from services.worker.engine import DLMEngine
-    from services.worker.service import WorkerService, served_calibration, served_profile
+    from services.worker.engine.engine import DLMEngine
+    from services.worker.service.service import WorkerService, served_calibration, served_profile
 
     settings = WorkerSettings(model_dir=str(uncalibrated), max_batch=4)
     assert served_calibration(settings) is None
@@ -133,8 +133,8 @@ def test_the_worker_of_an_uncalibrated_model_measures_its_step_times_and_sends_t
 
 
 def test_a_worker_on_another_device_refuses_the_calibrations_profile_and_measures_its_own(recalibrated, caplog):
-    from services.worker.engine import DLMEngine
-    from services.worker.service import served_calibration, served_profile
+    from services.worker.engine.engine import DLMEngine
+    from services.worker.service.service import served_calibration, served_profile
 
     settings = WorkerSettings(model_dir=str(recalibrated), device="cuda", max_batch=2)
     found = served_calibration(settings)  # its quality curve and predictor follow the weights: kept

@@ -12,7 +12,7 @@ import pytest
 
 from services.reconfigurator.core.spec import uniform_cluster
 from services.reconfigurator.core.stage1 import solve_stage1
-from services.worker.service import WorkerService
+from services.worker.service.service import WorkerService
 from shared.profiles import LatencyProfile, ProfileError
 from shared.settings import WorkerSettings
 from sim import experiments

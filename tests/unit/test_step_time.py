@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from services.worker.service import WorkerService
+from services.worker.service.service import WorkerService
 from shared.messages.base import CacheMode, StepKind
 from shared.profiles import LatencyProfile
 from shared.settings import WorkerSettings

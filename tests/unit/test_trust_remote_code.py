@@ -9,7 +9,7 @@ from transformers import PreTrainedTokenizerFast
 
 from services.gateway.models import ModelLoadError, load_served_model
 from services.node_agent.agent import NodeAgent, Worker
-from services.worker.loading import CheckpointError, load_model
+from services.worker.model.loading import CheckpointError, load_model
 from shared.settings import NodeAgentSettings, WorkerSettings
 from shared.tokenizer import CharTokenizer, TokenizerError, answer_text, load_hf_tokenizer
 from tests.dream_checkpoint import EOS_ID, IM_END_ID, build_dream_directory, byte_vocab
@@ -79,7 +79,7 @@ def test_the_node_agent_passes_its_setting_to_its_workers(monkeypatch, trusted):
 
 
 def test_the_worker_service_loads_its_engine_with_the_setting(tmp_path):
-    from services.worker.service import make_engine
+    from services.worker.service.service import make_engine
 
     directory = _dream_dir(tmp_path / "dream", fast_file=False)
     with pytest.raises(CheckpointError, match=f"set {SETTING}=true"):

@@ -65,7 +65,7 @@ class UnusableSteps(ValueError):
 
 def states_from_steps(record: RequestRecord, steps: Sequence[StepRecord]) -> list[LabelledState]:
     """The labelled states of a finished request from its stored record and step records (what the
-    workers wrote, ``services/worker/service.py``): the queries the engine's ``PredictionQuery.after_step``
+    workers wrote, ``services/worker/service/service.py``): the queries the engine's ``PredictionQuery.after_step``
     gives, rebuilt from each step's committed positions, block, confidences and ``predicted_end``."""
     steps = sorted(steps, key=lambda s: s.step_index)
     _check(record, steps)

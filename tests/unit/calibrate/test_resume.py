@@ -94,7 +94,7 @@ class _RunsOutAt:
 
 
 def test_the_largest_batch_is_bounded_by_memory_and_measured_batches_are_kept():
-    from services.worker.engine import DLMEngine
+    from services.worker.engine.engine import DLMEngine
 
     engine = DLMEngine.from_pretrained(MODEL)
     seen = []
@@ -109,7 +109,7 @@ def test_the_largest_batch_is_bounded_by_memory_and_measured_batches_are_kept():
 
 def test_prompts_are_traced_at_every_threshold_with_switches():
     from services.predictor.traces import CollectConfig, TracePrompt, collect_traces
-    from services.worker.engine import DLMEngine
+    from services.worker.engine.engine import DLMEngine
 
     engine = DLMEngine.from_pretrained(MODEL)
     prompts = [TracePrompt(tuple(engine.encode(text)), "completion", 0, gen) for text, gen in

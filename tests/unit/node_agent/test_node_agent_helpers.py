@@ -88,7 +88,7 @@ def test_a_gpu_count_gives_the_gpus_and_one_tp1_worker_each_unless_they_are_set(
 
 
 def test_workers_are_pinned_through_the_gpus_the_agent_itself_was_given(monkeypatch):
-    from services.worker.devices import rank_gpus
+    from services.worker.parallel.placement import rank_gpus
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-aa,GPU-bb,4,5")  # the agent sees four GPUs, as 0..3
     agent = NodeAgent(NodeAgentSettings(node="n1", gpu_ids=[0, 1, 2, 3]), nc=None)

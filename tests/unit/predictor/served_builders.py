@@ -7,7 +7,7 @@ import dataclasses
 
 from services.predictor.core.served import LabelledState, states_from_steps
 from services.predictor.traces import CollectConfig, collect_traces
-from services.worker.engine import CacheMode, RequestState, StepResult
+from services.worker.engine.engine import CacheMode, RequestState, StepResult
 from shared.messages.base import CacheMode as WireCacheMode
 from shared.messages.base import ConfidenceStats as WireConfidence
 from shared.state import RequestRecord, RequestStatus, StepRecord
@@ -16,7 +16,7 @@ from tests.unit.predictor.pred_builders import FakeEngine
 
 
 class RecordingEngine(FakeEngine):
-    """The fake engine, keeping what a worker stores of every step (``services/worker/service.py``), and
+    """The fake engine, keeping what a worker stores of every step (``services/worker/service/service.py``), and
     naming an expected end (``predicted_end``) of its own, so that feature is carried too."""
 
     def __init__(self) -> None:

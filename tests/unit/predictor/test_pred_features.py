@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from services.worker.engine import ConfidenceStats, RequestState, StepKind, StepResult
+from services.worker.engine.engine import ConfidenceStats, RequestState, StepKind, StepResult
 from shared.features import (
     ARRIVAL_FEATURE_NAMES,
     FEATURE_NAMES,

@@ -3,7 +3,7 @@ import random
 import pytest
 import torch
 
-from services.worker.model import DLMConfig, DLMForMaskedDiffusion
+from services.worker.model.dlm import DLMConfig, DLMForMaskedDiffusion
 
 
 def tiny_model(seed: int = 0, logits_shift: int = 0, n_kv_heads: int | None = None, qkv_bias: bool = False,

@@ -52,7 +52,7 @@ def test_the_floor_and_the_calibrated_head_are_reported(tmp_path):
 
 def test_the_runner_clock_times_the_forward_and_gives_the_method_back():
     from bench.engine_speed import ARCHS, _RunnerClock, random_model, random_prompts
-    from services.worker.engine import DLMEngine
+    from services.worker.engine.engine import DLMEngine
 
     model = random_model(ARCHS["llada-tiny"], "cpu", 0)
     eng = DLMEngine(model, stop_at_eos=False)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from services.worker.engine import CacheMode, DLMEngine
+from services.worker.engine.engine import CacheMode, DLMEngine
 from shared.tasks import Family, Split, TaskGenerator, check_answer
 
 MODEL_DIR = Path(__file__).resolve().parents[3] / "models" / "dls-tiny"

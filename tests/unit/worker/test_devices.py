@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.worker.devices import rank_gpus
-from services.worker.service import check_device
-from services.worker.tp import _RankSpec
+from services.worker.parallel.placement import rank_gpus
+from services.worker.parallel.tp_engine import _RankSpec
+from services.worker.service.service import check_device
 from shared.devices import DeviceError, cuda_problem, pin
 from shared.settings import WorkerSettings
 

@@ -4,16 +4,16 @@ tokens and steps equal the reference decoder's Dream rule, with no cache, prefix
 batch 1 and in a mixed batch (requests joining at different steps, mixed prompt, canvas and block
 lengths and thresholds).
 
-What the rule is: ``services/worker/decoding_rule.py``; the engine applies it in its step plan (cache
+What the rule is: ``services/worker/decoding/rule.py``; the engine applies it in its step plan (cache
 windows from the block) and in the commit rule on the device (``eligible``, ``inclusive``).
 """
 
 
 import pytest
 
-from services.worker.decoding_rule import DecodingRule, decoding_rule
-from services.worker.engine import CacheMode, DLMEngine
-from services.worker.loading import load_model
+from services.worker.decoding.rule import DecodingRule, decoding_rule
+from services.worker.engine.engine import CacheMode, DLMEngine
+from services.worker.model.loading import load_model
 from services.worker.reference import reference_generate
 from tests.dream_checkpoint import write_dream_weights
 

@@ -3,7 +3,7 @@ import random
 import pytest
 import torch
 
-from services.worker.engine import CacheMode, DLMEngine, EngineError, StepKind
+from services.worker.engine.engine import CacheMode, DLMEngine, EngineError, StepKind
 from services.worker.reference import reference_generate
 
 from .conftest import tiny_model

@@ -16,10 +16,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.worker.attention import AttentionBackend, KeyLayout, StepAttention, StepLayout, backend_runs
-from services.worker.engine import CacheMode, DLMEngine, StepKind
-from services.worker.kv_cache import PagedKVCache
-from services.worker.loading import load_model
+from services.worker.attention.step import (
+    AttentionBackend,
+    KeyLayout,
+    StepAttention,
+    StepLayout,
+    backend_runs,
+)
+from services.worker.engine.engine import CacheMode, DLMEngine, StepKind
+from services.worker.kv.cache import PagedKVCache
+from services.worker.model.loading import load_model
 from services.worker.reference import reference_generate
 from shared.tasks import Split, TaskGenerator
 

@@ -4,8 +4,8 @@ changed), compaction gathers scattered free pages, and ``trim`` gives the memory
 import pytest
 import torch
 
-from services.worker.engine import CacheMode, DLMEngine, KVBudgetExceeded
-from services.worker.kv_cache import PagedKVCache
+from services.worker.engine.engine import CacheMode, DLMEngine, KVBudgetExceeded
+from services.worker.kv.cache import PagedKVCache
 from services.worker.reference import reference_generate
 
 from .conftest import tiny_model

@@ -4,9 +4,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from services.worker.decoding_rule import DecodingRule, decoding_rule
-from services.worker.engine import CacheMode, DLMEngine
-from services.worker.loading import CheckpointError, load_model
+from services.worker.decoding.rule import DecodingRule, decoding_rule
+from services.worker.engine.engine import CacheMode, DLMEngine
+from services.worker.model.loading import CheckpointError, load_model
 from services.worker.reference import reference_generate
 from tests.dream_checkpoint import write_dream_weights as _write_dream
 

@@ -6,10 +6,16 @@ import types
 import pytest
 import torch
 
-from services.worker import attention
-from services.worker.attention import AttentionBackend, KeyLayout, StepAttention, StepLayout, resolve_backend
-from services.worker.engine import CacheMode, DLMEngine, StepKind
-from services.worker.kv_cache import PagedKVCache
+from services.worker.attention import step as attention
+from services.worker.attention.step import (
+    AttentionBackend,
+    KeyLayout,
+    StepAttention,
+    StepLayout,
+    resolve_backend,
+)
+from services.worker.engine.engine import CacheMode, DLMEngine, StepKind
+from services.worker.kv.cache import PagedKVCache
 from services.worker.reference import reference_generate
 
 from . import varlen_emulation

@@ -14,8 +14,8 @@ import random
 import pytest
 import torch
 
-from services.worker.engine import CacheMode, DLMEngine
-from services.worker.model import RMSNorm, apply_rope
+from services.worker.engine.engine import CacheMode, DLMEngine
+from services.worker.model.dlm import RMSNorm, apply_rope
 from services.worker.reference import reference_generate
 
 from .conftest import tiny_model

@@ -4,14 +4,14 @@ what a block's first forward commits, where a cache step's window starts, the in
 import pytest
 import torch
 
-from services.worker.decoding_rule import (
+from services.worker.decoding.rule import (
     DecodingRule,
     cache_window_start,
     decoding_rule,
     parse_rule,
     select_commits,
 )
-from services.worker.model import DLMConfig
+from services.worker.model.dlm import DLMConfig
 from services.worker.reference import reference_generate
 
 from .conftest import tiny_model

@@ -9,11 +9,11 @@ import types
 import pytest
 import torch
 
-from services.worker import attention
-from services.worker.attention import AttentionBackend
-from services.worker.engine import CacheMode, DLMEngine, StepKind
+from services.worker.attention import step as attention
+from services.worker.attention.step import AttentionBackend
+from services.worker.decoding.sampling import SamplingParams
+from services.worker.engine.engine import CacheMode, DLMEngine, StepKind
 from services.worker.reference import reference_generate
-from services.worker.sampling import SamplingParams
 
 from . import varlen_emulation
 from .conftest import random_specs, tiny_model

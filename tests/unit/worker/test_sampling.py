@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from services.worker.engine import CacheMode, DLMEngine, EngineError, RequestState
+from services.worker.decoding.sampling import SamplingParams, cut, noise_seed, sample
+from services.worker.engine.engine import CacheMode, DLMEngine, EngineError, RequestState
 from services.worker.reference import reference_generate
-from services.worker.sampling import SamplingParams, cut, noise_seed, sample
 from shared.generation import stop_length
 
 from .conftest import tiny_model

@@ -17,9 +17,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from services.worker.engine import CacheMode, DLMEngine, EngineError, RequestState, StepKind
-from services.worker.model import DLMConfig
-from services.worker.tp import (
+from services.worker.engine.engine import CacheMode, DLMEngine, EngineError, RequestState, StepKind
+from services.worker.model.dlm import DLMConfig
+from services.worker.parallel.tp_engine import (
     ShardingError,
     TensorParallelEngine,
     TensorParallelError,

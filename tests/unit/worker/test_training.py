@@ -3,8 +3,10 @@ import json
 import pytest
 import torch
 
-from services.worker.loading import load_model
-from services.worker.training import (
+from services.worker.model.loading import load_model
+from shared.tasks import Family, Split, TaskGenerator
+from shared.tokenizer import CharTokenizer
+from training.tiny import (
     SEMI_AR_BLOCK_LENGTHS,
     TrainConfig,
     Trainer,
@@ -12,8 +14,6 @@ from services.worker.training import (
     encode_batch,
     target_ids,
 )
-from shared.tasks import Family, Split, TaskGenerator
-from shared.tokenizer import CharTokenizer
 
 
 def _tiny(tmp_path, steps: int, **overrides) -> TrainConfig:
