@@ -153,10 +153,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Block(nn.Module):
-    """One LLaMA block without the causal mask, named as in LLaDA checkpoints."""
+    """One LLaMA block without the causal mask, named as in LLaDA checkpoints.
+
+    ``tp_degree``: how many ranks share the block's weights (1: the whole block). A tensor-parallel
+    shard has ``tp_degree > 1``, set by ``shard_model``; its projections hold a slice of the
+    weights and its ``ff_out`` sums partial results across ranks, so the compiled MLP (one local
+    graph over whole weights) does not apply to it.
+    """
+
+    tp_degree: int = 1
 
     def __init__(self, config: DLMConfig) -> None:
         super().__init__()
+        self.tp_degree = 1
         d, h, kvh, hd = config.d_model, config.n_heads, config.n_kv_heads, config.head_dim
         self.n_heads, self.n_kv_heads, self.head_dim = h, kvh, hd
         self.attn_norm = RMSNorm(d, config.rms_norm_eps)
@@ -201,7 +210,7 @@ class Block(nn.Module):
         return self._mlp(x)
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        if self.compiled_mlp is not None and type(self.ff_out) is nn.Linear:  # not a tensor-parallel shard
+        if self.compiled_mlp is not None and self.tp_degree == 1:
             return self.compiled_mlp(x, self.ff_norm.weight, self.ff_norm.eps, self.ff_proj.weight,
                                      self.up_proj.weight, self.ff_out.weight)
         h = self.ff_norm(x)
@@ -332,6 +341,11 @@ class DLMForMaskedDiffusion(PreTrainedModel):
         for i, block in enumerate(transformer.blocks):
             x = block.forward_packed(x, cos, sin, lambda q, k, v, i=i: attention(i, q, k, v))
         return transformer.ff_out(transformer.ln_f(x.index_select(0, logit_rows)))
+
+    @property
+    def tp_degree(self) -> int:
+        """How many tensor-parallel ranks share the blocks' weights (1: a whole model)."""
+        return self.model.transformer.blocks[0].tp_degree
 
     @property
     def rope_dtype(self) -> torch.dtype:
