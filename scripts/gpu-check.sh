@@ -73,7 +73,9 @@ if [ "$DRY" != 1 ] && [ -n "${FLASH_ATTN_WHEELS:-}" ] && ! "$PY" -c "import flas
 fi
 run "$PY" -c "
 import torch
-from services.worker.attention.step import flash_attn_importable, resolve_backend, torch_varlen_attn, varlen_features
+from services.worker.attention.flash import flash_attn_importable
+from services.worker.attention.select import resolve_backend
+from services.worker.attention.varlen import torch_varlen_attn, varlen_features
 device = torch.device('$DEVICE')
 print('flash-attn importable:', flash_attn_importable(), '| torch varlen op:', torch_varlen_attn() is not None,
       sorted(varlen_features()), '| auto picks:', resolve_backend('auto', device, torch.bfloat16, 128).value)"

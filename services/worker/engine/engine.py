@@ -67,13 +67,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from services.worker.attention.step import (
-    FLASH_PAGE_SIZE,
-    AttentionBackend,
-    KeyLayout,
-    StepLayout,
-    resolve_backend,
-)
+from services.worker.attention.flash import FLASH_PAGE_SIZE
+from services.worker.attention.layout import KeyLayout, StepLayout
+from services.worker.attention.select import AttentionBackend, resolve_backend
 from services.worker.decoding.rule import DecodingRule, cache_window_start, decoding_rule
 from services.worker.decoding.sampling import MAX_TOP_LOGPROBS, SamplingParams, noise_seed
 from services.worker.kv.cache import KVBudgetExceeded as KVBudgetExceeded  # re-exported: what step raises

@@ -34,7 +34,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from services.worker.attention.step import AttentionBackend, KeyLayout, StepAttention, StepLayout
+from services.worker.attention.layout import KeyLayout, StepLayout
+from services.worker.attention.select import AttentionBackend
+from services.worker.attention.step import StepAttention
 from services.worker.decoding.commit import commit_mask, greedy_candidates
 from services.worker.decoding.sampling import SamplingParams, sample, top_candidates
 from services.worker.kv.cache import PagedKVCache

@@ -16,13 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.worker.attention.step import (
-    AttentionBackend,
-    KeyLayout,
-    StepAttention,
-    StepLayout,
-    backend_runs,
-)
+from services.worker.attention.layout import KeyLayout, StepLayout
+from services.worker.attention.select import AttentionBackend, backend_runs
+from services.worker.attention.step import StepAttention
 from services.worker.engine.engine import CacheMode, DLMEngine, StepKind
 from services.worker.kv.cache import PagedKVCache
 from services.worker.model.loading import load_model

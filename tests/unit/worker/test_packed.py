@@ -6,14 +6,10 @@ import types
 import pytest
 import torch
 
-from services.worker.attention import step as attention
-from services.worker.attention.step import (
-    AttentionBackend,
-    KeyLayout,
-    StepAttention,
-    StepLayout,
-    resolve_backend,
-)
+from services.worker.attention import varlen
+from services.worker.attention.layout import KeyLayout, StepLayout
+from services.worker.attention.select import AttentionBackend, backend_runs, resolve_backend
+from services.worker.attention.step import StepAttention
 from services.worker.engine.engine import CacheMode, DLMEngine, StepKind
 from services.worker.kv.cache import PagedKVCache
 from services.worker.reference import reference_generate
@@ -79,10 +75,10 @@ def emulated_kernels(monkeypatch, request):
     fake = types.ModuleType("flash_attn")
     fake.flash_attn_varlen_func = varlen_emulation.flash_attn_varlen_func
     monkeypatch.setitem(sys.modules, "flash_attn", fake)
-    varlen = varlen_emulation.varlen_attn if request.param == "2.13" else varlen_emulation.varlen_attn_2_11
-    monkeypatch.setattr(attention, "torch_varlen_attn", lambda: varlen)
+    stand_in = varlen_emulation.varlen_attn if request.param == "2.13" else varlen_emulation.varlen_attn_2_11
+    monkeypatch.setattr(varlen, "torch_varlen_attn", lambda: stand_in)
     features = frozenset({"seqused_k", "enable_gqa"}) if request.param == "2.13" else frozenset()
-    monkeypatch.setattr(attention, "varlen_features", lambda: features)
+    monkeypatch.setattr(varlen, "varlen_features", lambda: features)
     return request.param
 
 
@@ -92,7 +88,7 @@ def emulated_kernels(monkeypatch, request):
 def test_varlen_kernel_arguments_give_the_reference_tokens(emulated_kernels, backend, variant, mode):
     model = tiny_model(**MODELS[variant])
     if backend is AttentionBackend.TORCH_VARLEN and emulated_kernels == "2.11" and variant == "dream":
-        assert not attention.backend_runs(backend, torch.device("cuda"), torch.float16, 8, gqa=True)
+        assert not backend_runs(backend, torch.device("cuda"), torch.float16, 8, gqa=True)
         return  # torch 2.11's op takes as many key heads as query heads only: flex serves GQA models there
     page_size = 256 if backend is AttentionBackend.FLASH else 4
     engine = DLMEngine(model, stop_at_eos=False, kv_page_size=page_size)

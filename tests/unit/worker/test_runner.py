@@ -9,8 +9,8 @@ import types
 import pytest
 import torch
 
-from services.worker.attention import step as attention
-from services.worker.attention.step import AttentionBackend
+from services.worker.attention import flex, sdpa, varlen
+from services.worker.attention.select import AttentionBackend, kernel_self_test
 from services.worker.decoding.sampling import SamplingParams
 from services.worker.engine.engine import CacheMode, DLMEngine, StepKind
 from services.worker.reference import reference_generate
@@ -44,10 +44,10 @@ def kernel_counter(monkeypatch):
     def install(backend: AttentionBackend, signature: str = "2.13") -> _Counter:
         if backend is AttentionBackend.SDPA:
             counter = _Counter(torch.nn.functional.scaled_dot_product_attention)
-            monkeypatch.setattr(attention.F, "scaled_dot_product_attention", counter)
+            monkeypatch.setattr(sdpa.F, "scaled_dot_product_attention", counter)
         elif backend is AttentionBackend.FLEX:
-            counter = _Counter(attention.flex_attention_fn(False))
-            monkeypatch.setattr(attention, "flex_attention_fn", lambda compiled: counter)
+            counter = _Counter(flex.flex_attention_fn(False))
+            monkeypatch.setattr(flex, "flex_attention_fn", lambda compiled: counter)
         elif backend is AttentionBackend.FLASH:
             counter = _Counter(varlen_emulation.flash_attn_varlen_func)
             fake = types.ModuleType("flash_attn")
@@ -56,9 +56,9 @@ def kernel_counter(monkeypatch):
         else:
             new = signature == "2.13"
             counter = _Counter(varlen_emulation.varlen_attn if new else varlen_emulation.varlen_attn_2_11)
-            monkeypatch.setattr(attention, "torch_varlen_attn", lambda: counter)
+            monkeypatch.setattr(varlen, "torch_varlen_attn", lambda: counter)
             features = frozenset({"seqused_k", "enable_gqa"}) if new else frozenset()
-            monkeypatch.setattr(attention, "varlen_features", lambda: features)
+            monkeypatch.setattr(varlen, "varlen_features", lambda: features)
         return counter
 
     return install
@@ -185,28 +185,28 @@ def test_graphs_are_off_on_a_cpu_even_when_asked_for():
                                                     (AttentionBackend.FLASH, "2.13")])
 def test_a_kernel_is_used_only_where_it_computes_what_sdpa_computes(kernel_counter, monkeypatch, backend, signature):
     cpu, f32 = torch.device("cpu"), torch.float32
-    attention.kernel_self_test.cache_clear()
+    kernel_self_test.cache_clear()
     kernel_counter(backend, signature)
-    assert attention.kernel_self_test(backend, cpu, f32, 16, gqa=False)
+    assert kernel_self_test(backend, cpu, f32, 16, gqa=False)
     if signature == "2.13":
-        assert attention.kernel_self_test(backend, cpu, f32, 16, gqa=True)
+        assert kernel_self_test(backend, cpu, f32, 16, gqa=True)
 
     def refuses(*args, **kwargs):  # e.g. a torch that routes the op to a backend without seqused_k
         raise RuntimeError("seqused_k/block_table is not yet supported with the cuDNN backend.")
 
-    attention.kernel_self_test.cache_clear()
+    kernel_self_test.cache_clear()
     if backend is AttentionBackend.FLASH:
         sys.modules["flash_attn"].flash_attn_varlen_func = refuses
     else:
-        monkeypatch.setattr(attention, "torch_varlen_attn", lambda: refuses)
-    assert not attention.kernel_self_test(backend, cpu, f32, 16)
+        monkeypatch.setattr(varlen, "torch_varlen_attn", lambda: refuses)
+    assert not kernel_self_test(backend, cpu, f32, 16)
 
-    attention.kernel_self_test.cache_clear()
+    kernel_self_test.cache_clear()
     wrong = varlen_emulation.varlen_attn if backend is AttentionBackend.TORCH_VARLEN else \
         varlen_emulation.flash_attn_varlen_func
     if backend is AttentionBackend.FLASH:
         sys.modules["flash_attn"].flash_attn_varlen_func = lambda *a, **k: wrong(*a, **k) * 1.5
     else:
-        monkeypatch.setattr(attention, "torch_varlen_attn", lambda: lambda *a, **k: wrong(*a, **k) * 1.5)
-    assert not attention.kernel_self_test(backend, cpu, f32, 16)
-    attention.kernel_self_test.cache_clear()
+        monkeypatch.setattr(varlen, "torch_varlen_attn", lambda: lambda *a, **k: wrong(*a, **k) * 1.5)
+    assert not kernel_self_test(backend, cpu, f32, 16)
+    kernel_self_test.cache_clear()
