@@ -15,7 +15,8 @@ import sys
 from shared.cli import CliError
 
 _SUBCOMMAND_MODULES = (
-    "services.worker.cli",  # train-model, profile, generate
+    "training.cli",  # train-model
+    "services.worker.cli",  # profile, generate
     "services.reconfigurator.cli",  # reconfig solve
     "services.predictor.cli",  # collect-traces, train-predictor
     "sim.cli",  # sim, compare, capacity

@@ -1,0 +1,1 @@
+"""Training the bundled model (``tiny.py``) and its command, ``dls train-model`` (``cli.py``)."""

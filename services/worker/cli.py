@@ -1,9 +1,8 @@
-"""`dls train-model`, `dls profile`, `dls generate`: the worker's commands."""
+"""`dls profile`, `dls generate`: the worker's commands (`dls train-model` is ``training/cli.py``)."""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -14,49 +13,8 @@ DEFAULT_MODEL_DIR = "models/dls-tiny"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    _register_train(subparsers)
     _register_profile(subparsers)
     _register_generate(subparsers)
-
-
-def _register_train(subparsers) -> None:
-    from training.tiny import TrainConfig
-
-    p = subparsers.add_parser("train-model", help="train the bundled model on CPU (resumable)")
-    defaults = TrainConfig()
-    parsers = {"int": int, "float": float, "str": str, "list[float]": _float_list,
-               "list[int]": _int_list}  # field type -> parser
-    for f in dataclasses.fields(TrainConfig):
-        if f.type in parsers:
-            p.add_argument(f"--{f.name.replace('_', '-')}", type=parsers[f.type], default=getattr(defaults, f.name))
-    p.set_defaults(func=_train)
-
-
-def _float_list(text: str) -> list[float]:
-    try:
-        return [float(x) for x in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected numbers separated by commas, got {text!r}") from None
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected integers separated by commas, got {text!r}") from None
-
-
-def _train(args: argparse.Namespace) -> int:
-    from training.tiny import TrainConfig, Trainer
-
-    names = {f.name for f in dataclasses.fields(TrainConfig)}
-    cfg = TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
-    if cfg.steps <= 0 or cfg.batch_size <= 0:
-        raise CliError("--steps and --batch-size must be positive")
-    print(f"training {cfg.output_dir}: {json.dumps(dataclasses.asdict(cfg))}", flush=True)
-    Trainer(cfg).run(log=lambda line: print(line, flush=True))
-    print(f"exported model to {cfg.output_dir}")
-    return 0
 
 
 def _register_profile(subparsers) -> None:

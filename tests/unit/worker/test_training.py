@@ -3,7 +3,9 @@ import json
 import pytest
 import torch
 
+from services.cli import build_parser
 from services.worker.model.loading import load_model
+from shared.cli import CliError
 from shared.tasks import Family, Split, TaskGenerator
 from shared.tokenizer import CharTokenizer
 from training.tiny import (
@@ -152,3 +154,14 @@ def test_chain_length_bias_draws_long_chains_more_often():
         return sum(len(tasks.problem(0).answer.split(" ")) for _ in range(400)) / 400
 
     assert mean_items(2.0) > mean_items(0.0) + 1.5  # 15.9 against 13.5 items expected
+
+
+def test_dls_train_model_takes_every_plain_config_field_as_a_flag():
+    args = build_parser().parse_args(["train-model", "--steps", "0", "--shot-weights", "1,2.5", "--chain-block-lengths",
+                                      "16,32", "--output-dir", "elsewhere"])
+    assert args.shot_weights == [1.0, 2.5] and args.chain_block_lengths == [16, 32] and args.output_dir == "elsewhere"
+    assert args.lr == TrainConfig().lr  # the config's default
+    with pytest.raises(CliError, match="must be positive"):
+        args.func(args)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train-model", "--chain-block-lengths", "16,x"])
