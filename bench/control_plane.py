@@ -78,7 +78,7 @@ async def run_workers(args) -> None:
             self.commands = 0  # steps run (commanded or pipelined)
             self.pipelined = 0  # steps run from a held command in hand when the step before ended
             self.late = 0  # steps run from a held command that came after the step before ended
-            self.repeated_before = 0  # num_repeated when measuring began
+            self.repeated_before = 0  # held.num_repeated when measuring began
             self.measuring = False
             self.measure_start = 0.0  # perf_counter when measuring began
             self.idle_since: float | None = None  # results out, requests held, no step running since then
@@ -96,16 +96,15 @@ async def run_workers(args) -> None:
                 self.last_sent = None
             await super()._on_command(msg)
 
-        def _run_late(self, held, headers) -> None:
-            """A held command that came after its step ended: when it runs, the step waited for it."""
-            arrived, before = time.perf_counter(), self.num_late_held
-            super()._run_late(held, headers)
-            if self.num_late_held > before:
-                if self.measuring and self.last_sent is not None:
-                    self.gaps.append(arrived - self.last_sent)
-                    self.round_trip_gaps.append(arrived - self.last_sent)
-                    self.late += 1
-                self.last_sent = None
+        def _run_late(self, command, headers) -> None:
+            """A held command that came after its step ended runs: the step waited for it."""
+            arrived = time.perf_counter()
+            super()._run_late(command, headers)
+            if self.measuring and self.last_sent is not None:
+                self.gaps.append(arrived - self.last_sent)
+                self.round_trip_gaps.append(arrived - self.last_sent)
+                self.late += 1
+            self.last_sent = None
 
         def _step_starting(self, command, continued: bool) -> None:
             now = time.perf_counter()
@@ -119,7 +118,7 @@ async def run_workers(args) -> None:
 
         def _step_published(self, results) -> None:
             self.last_sent, self.last_sent_wall = time.perf_counter(), time.time()
-            if self.local:  # it holds requests, and (until its next step starts) the accelerator idles
+            if self.resident:  # it holds requests, and (until its next step starts) the accelerator idles
                 self.idle_since = self.last_sent
 
         def end_idle(self, now: float) -> None:
@@ -165,7 +164,7 @@ async def run_workers(args) -> None:
                 w.round_trip_gaps.clear()
                 w.to_issue.clear()
                 w.pipelined = w.late = w.commands = w.request_steps = 0
-                w.repeated_before = w.num_repeated
+                w.repeated_before = w.held.num_repeated
                 w.idle_s = 0.0
                 w.flight.clear()
             await msg.respond(b"ok")
@@ -182,7 +181,7 @@ async def run_workers(args) -> None:
                 "round_trip_gaps_s": [g for w in workers for g in w.round_trip_gaps],
                 "pipelined": sum(w.pipelined for w in workers),
                 "late": sum(w.late for w in workers),
-                "repeated": sum(w.num_repeated - w.repeated_before for w in workers),
+                "repeated": sum(w.held.num_repeated - w.repeated_before for w in workers),
                 "to_issue_s": [g for w in workers for g in w.to_issue],
                 "flight_s": [g for w in workers for g in w.flight],
                 "request_steps": sum(w.request_steps for w in workers),

@@ -3,7 +3,7 @@
 import logging
 import sys
 
-from services.worker.service.service import serve
+from services.worker.service.startup import serve
 from shared.calibration import CalibrationError
 from shared.devices import DeviceError
 from shared.runtime import run

@@ -14,6 +14,7 @@ import nats
 from services.scheduler.service import SchedulerService
 from services.worker.engine.engine import CacheMode, DLMEngine
 from services.worker.service.service import WorkerService
+from services.worker.service.startup import worker_clock
 from shared.jetstream import ensure_intake_stream, publish_request
 from shared.messages import codec
 from shared.messages.base import CacheMode as WireCacheMode
@@ -100,7 +101,8 @@ class LiveCluster:
         settings = WorkerSettings(**self.common, **{"heartbeat_interval_s": 0.3, "lease_ttl_s": 1.5, **overrides})
         nc = await self._connect()
         store = RedisStateStore.from_url(self.redis_url, self.prefix)
-        worker = WorkerService(settings, engine or fresh_engine(), nc, store, instance_id=instance_id)
+        worker = WorkerService(settings, engine or fresh_engine(), nc, store, instance_id=instance_id,
+                               clock=worker_clock(settings.clock_offset_s))
         await worker.start()
         self.workers[instance_id] = worker
         if wait:

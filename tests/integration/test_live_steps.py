@@ -94,9 +94,9 @@ def test_overlapped_steps_keep_the_engines_answers(nats_server, redis_server, un
             worker = next(iter(cluster.workers.values()))
             assert (cluster.scheduler.counters["pipelined_steps"] > 0) == pipeline
             # a repeat (none in hand: the scheduler lagged) is a step the worker went on to by itself too
-            assert worker.num_repeated == cluster.scheduler.counters["repeated_steps"]
-            assert worker.num_continued == (cluster.scheduler.counters["pipelined_steps"]
-                                            + cluster.scheduler.counters["repeated_steps"])
+            assert worker.held.num_repeated == cluster.scheduler.counters["repeated_steps"]
+            assert worker.held.num_continued == (cluster.scheduler.counters["pipelined_steps"]
+                                                 + cluster.scheduler.counters["repeated_steps"])
         finally:
             await cluster.close()
 

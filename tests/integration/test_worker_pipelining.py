@@ -108,7 +108,7 @@ def test_a_held_command_runs_right_after_its_step(nats_server, redis_server, uni
             assert [r.num_steps for r in results[1].results] == [2, 2]
             stored = await bench.store.load("a")
             assert stored.version == 3 and stored.threshold_history == [0.9, 0.7]
-            assert bench.worker.num_continued == 1
+            assert bench.worker.held.num_continued == 1
             # each step record keeps what the scheduler had queued when it composed the step
             assert [s.queued for s in await bench.store.load_steps("a")] == [3, 0]
         finally:
@@ -138,8 +138,8 @@ def test_a_held_command_whose_batch_changed_is_discarded(nats_server, redis_serv
             await bench.send(24, [StepItem(request_id="a", threshold=0.9, state_version=3)], after=22, min_masked=1)
             await asyncio.sleep(0.5)
             assert [(r.step_id, r.continued_step_id) for r in results] == [(20, 0), (22, 0)]
-            assert len(bench.results) == 2 and bench.worker.num_continued == 0
-            assert bench.worker.num_late_next == 1
+            assert len(bench.results) == 2 and bench.worker.held.num_continued == 0
+            assert bench.worker.held.num_late_next == 1
             assert (await bench.store.load("a")).num_steps == 2
         finally:
             await bench.close()
@@ -215,11 +215,11 @@ def test_a_held_command_that_comes_after_its_step_ended_runs_on_arrival(nats_ser
             results = await bench.wait_results(2)
             assert results[1].step_id == 31 and [r.request_id for r in results[1].results] == ["a", "b"]
             assert [r.threshold for r in results[1].results] == [0.7, 0.9]
-            assert bench.worker.num_late_held == 1 and bench.worker.num_continued == 0
+            assert bench.worker.held.num_late_held == 1 and bench.worker.held.num_continued == 0
             # another one for the same step: that step went on already
             await bench.send(32, [StepItem(request_id="a", threshold=0.7, state_version=a.version + 1)], after=30)
             await asyncio.sleep(0.5)
-            assert len(bench.results) == 2 and bench.worker.num_late_next == 1
+            assert len(bench.results) == 2 and bench.worker.held.num_late_next == 1
             assert (await bench.store.load("a")).num_steps == 2
         finally:
             await bench.close()
@@ -237,13 +237,13 @@ def test_a_held_command_drops_the_requests_that_left_the_instance(nats_server, r
             a, gone = await bench.request("a"), await bench.request("gone")
             await bench.send(40, [StepItem(request_id="gone", threshold=0.9, state_version=gone.version)])
             await bench.wait_results(1)
-            assert "gone" in bench.worker.local
+            assert "gone" in bench.worker.resident
             await bench.send(41, [StepItem(request_id="a", threshold=0.9, state_version=a.version, load_state=True)])
             await bench.send(42, [StepItem(request_id="a", threshold=0.9, state_version=a.version + 1)], after=41,
                              drop=("gone",))
             results = await bench.wait_results(3)
             assert results[1].continued_step_id == 42 and results[2].step_id == 42
-            assert "gone" not in bench.worker.local and "a" in bench.worker.local
+            assert "gone" not in bench.worker.resident and "a" in bench.worker.resident
         finally:
             await bench.close()
 
@@ -264,7 +264,7 @@ def test_with_none_in_hand_a_step_repeats_and_a_late_command_takes_over(nats_ser
             assert results[2].awaits_held  # repeats spent: it waits for a command
             assert [r.results[0].threshold for r in results] == [0.9, 0.9, 0.9]
             assert (await bench.store.load("a")).version == a.version + 3
-            assert bench.worker.num_repeated == 2
+            assert bench.worker.held.num_repeated == 2
 
             b = await bench.request("b")
             await bench.send(20, [StepItem(request_id="b", threshold=0.9, state_version=b.version)], repeats=5)

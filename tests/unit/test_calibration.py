@@ -100,7 +100,8 @@ def test_a_bundle_for_another_gpu_model_is_refused(recalibrated):
 
 
 def test_the_worker_announces_its_calibrations_profile(recalibrated):
-    from services.worker.service.service import WorkerService, served_calibration, served_profile
+    from services.worker.service.service import WorkerService
+    from services.worker.service.startup import served_calibration, served_profile
 
     settings = WorkerSettings(model_dir=str(recalibrated))
     found = served_calibration(settings)
@@ -109,13 +110,14 @@ def test_the_worker_announces_its_calibrations_profile(recalibrated):
     # a stand-in engine (no model): a heartbeat reads only the engine's name
     worker = WorkerService(settings, SimpleNamespace(name="uncal"), nc=None, store=None, instance_id="i0",
                            profile=profile, online=online)
-    beat = codec.decode(WorkerHeartbeat, worker._beat_bytes())
+    beat = codec.decode(WorkerHeartbeat, worker.heartbeats.encoded())
     assert beat.profile == profile and beat.measured is None
 
 
 def test_the_worker_of_an_uncalibrated_model_measures_its_step_times_and_sends_them(uncalibrated):
     from services.worker.engine.engine import DLMEngine
-    from services.worker.service.service import WorkerService, served_calibration, served_profile
+    from services.worker.service.service import WorkerService
+    from services.worker.service.startup import served_calibration, served_profile
 
     settings = WorkerSettings(model_dir=str(uncalibrated), max_batch=4)
     assert served_calibration(settings) is None
@@ -123,18 +125,18 @@ def test_the_worker_of_an_uncalibrated_model_measures_its_step_times_and_sends_t
     profile, online = served_profile(settings, None, engine)
     assert profile == "" and sorted(online.ms["cache_ms"]) == [1, 2, 4]
     worker = WorkerService(settings, engine, nc=None, store=None, instance_id="i0", profile=profile, online=online)
-    beat = codec.decode(WorkerHeartbeat, worker._beat_bytes())
+    beat = codec.decode(WorkerHeartbeat, worker.heartbeats.encoded())
     assert beat.profile == "" and beat.measured.cache_ms.keys() == {1, 2, 4}
     before = beat.measured.cache_ms[2]
     online.observe(before * 10 / 1000, [], 2, no_cache=False)  # a served cache step of 2, ten times as long
     online.observe(1.0, [100], 1, no_cache=False)  # a mixed step: its parts cannot be told apart
-    beat = codec.decode(WorkerHeartbeat, worker._beat_bytes())
+    beat = codec.decode(WorkerHeartbeat, worker.heartbeats.encoded())
     assert beat.measured.served_steps == 1 and beat.measured.cache_ms[2] == pytest.approx(before * 2.8, rel=1e-3)
 
 
 def test_a_worker_on_another_device_refuses_the_calibrations_profile_and_measures_its_own(recalibrated, caplog):
     from services.worker.engine.engine import DLMEngine
-    from services.worker.service.service import served_calibration, served_profile
+    from services.worker.service.startup import served_calibration, served_profile
 
     settings = WorkerSettings(model_dir=str(recalibrated), device="cuda", max_batch=2)
     found = served_calibration(settings)  # its quality curve and predictor follow the weights: kept

@@ -79,7 +79,7 @@ def test_the_node_agent_passes_its_setting_to_its_workers(monkeypatch, trusted):
 
 
 def test_the_worker_service_loads_its_engine_with_the_setting(tmp_path):
-    from services.worker.service.service import make_engine
+    from services.worker.service.startup import make_engine
 
     directory = _dream_dir(tmp_path / "dream", fast_file=False)
     with pytest.raises(CheckpointError, match=f"set {SETTING}=true"):

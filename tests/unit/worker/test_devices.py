@@ -8,7 +8,7 @@ import torch
 
 from services.worker.parallel.placement import rank_gpus
 from services.worker.parallel.tp_engine import _RankSpec
-from services.worker.service.service import check_device
+from services.worker.service.startup import check_device
 from shared.devices import DeviceError, cuda_problem, pin
 from shared.settings import WorkerSettings
 
