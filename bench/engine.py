@@ -33,7 +33,8 @@ import time
 import torch
 
 from bench.common import emit_json
-from services.worker.engine.engine import CacheMode, DLMEngine, StepKind
+from services.worker.engine.engine import DLMEngine
+from shared.messages.base import CacheMode, StepKind
 from shared.tasks import SHORT_FAMILIES, Family, Problem, Split, TaskGenerator, check_answer
 
 THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95)

@@ -65,9 +65,10 @@ from pathlib import Path
 import torch
 
 from bench.common import emit_json
-from services.worker.engine.engine import CacheMode, DLMEngine, StepKind
+from services.worker.engine.engine import DLMEngine
 from services.worker.model.dlm import DLMConfig, DLMForMaskedDiffusion, apply_rope
 from services.worker.profiling import measure as measure_step_latency
+from shared.messages.base import CacheMode, StepKind
 
 
 @dataclass(frozen=True)
@@ -181,7 +182,7 @@ def run_engine(engine: DLMEngine, prompts, args, tag: str) -> EngineRun:
                 run.copied += traffic.copied
                 run.written += traffic.written
                 run.gathered_before += context * per_token
-            active = [(s, t) for s, t in active if not s.finished and engine.current_block(s) < args.blocks]
+            active = [(s, t) for s, t in active if not s.finished and s.current_block(engine.mask_id) < args.blocks]
     _sync(args.device)
     run.seconds = time.perf_counter() - began
     for s in states:
@@ -191,7 +192,7 @@ def run_engine(engine: DLMEngine, prompts, args, tag: str) -> EngineRun:
 
 def _context_length(state, engine: DLMEngine) -> int:
     """Positions outside a dual-cache step's window: what the old gather copied for it."""
-    start, end = state.block_bounds(engine.current_block(state))
+    start, end = state.block_bounds(state.current_block(engine.mask_id))
     return len(state.prompt_ids) + state.gen_length - (end - start + engine.shift)
 
 
@@ -367,7 +368,7 @@ def _one_block(engine: DLMEngine, prompt: list[int], args: argparse.Namespace) -
     state = engine.new_request("calibrate", prompt, args.gen_length, args.block_length, CacheMode.DUAL,
                                ignore_eos=True)
     steps = tokens = 0
-    while engine.current_block(state) == 0 and not state.finished:
+    while state.current_block(engine.mask_id) == 0 and not state.finished:
         tokens += len(engine.step([(state, args.threshold)])[0].committed_positions)
         steps += 1
     engine.drop(state.request_id)

@@ -51,7 +51,7 @@ def decode(engine, prompts: list[EncodedPrompt], threshold: float, mode: str, ba
            on_progress=None) -> tuple[list[str], list[int]]:
     """Every prompt's answer text (``shared.tokenizer.answer_text``, as the API returns it) and steps at
     ``threshold``, continuous batching of at most ``batch_size`` requests."""
-    from services.worker.engine.engine import CacheMode
+    from shared.messages.base import CacheMode
     from shared.tokenizer import answer_text
 
     texts: list[str] = [""] * len(prompts)

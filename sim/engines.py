@@ -116,7 +116,7 @@ class ModelEngine:
         self._states: dict = {}  # request id -> RequestState
         self._specs: dict[str, RequestSpec] = {}  # request id -> spec
         self._cache_on: dict[str, str] = {}  # request id -> instance holding its KV cache
-        self._pending: dict[int, list[tuple[str, float, int]]] = {}  # token -> (request id, threshold, block)
+        self._pending: dict[int, list[tuple[str, float]]] = {}  # token -> (request id, threshold)
         self._done: dict[int, list[EngineOutcome]] = {}  # token -> outcomes computed ahead
         self._num_steps = 0
         self.num_forward_calls = 0
@@ -139,7 +139,7 @@ class ModelEngine:
             self._cache_on[rid] = instance_id
             state = self._states[rid]
             flags.append(engine.next_step_kind(state) == 0)
-            items.append((rid, tau, engine.current_block(state)))
+            items.append((rid, tau))
         self._num_steps += 1
         self._pending[self._num_steps] = items
         return self._num_steps, flags
@@ -152,20 +152,17 @@ class ModelEngine:
     def _run_pending(self) -> None:
         tokens = list(self._pending)
         items = [item for t in tokens for item in self._pending[t]]
-        results = self._engine.step([(self._states[rid], tau) for rid, tau, _ in items])
+        results = self._engine.step([(self._states[rid], tau) for rid, tau in items])
         self.num_forward_calls += 1
         outcomes = iter(self._outcome(item, r) for item, r in zip(items, results, strict=True))
         for t in tokens:
             self._done[t] = [next(outcomes) for _ in self._pending.pop(t)]
 
-    def _outcome(self, item: tuple[str, float, int], result) -> EngineOutcome:
-        rid, tau, block = item
-        state = self._states[rid]
-        start, end = state.block_bounds(block)
-        block_done = self._engine.mask_id not in state.canvas[start:end]
+    def _outcome(self, item: tuple[str, float], result) -> EngineOutcome:
+        rid, tau = item
         c = result.confidence
         return EngineOutcome(
-            rid, len(result.committed_positions), block_done, result.finished, result.kind == 0, tau,
+            rid, len(result.committed_positions), result.block_done, result.finished, result.kind == 0, tau,
             result.num_masked, (c.min, c.q25, c.median, c.mean, c.q75), result.predicted_end,
         )
 
@@ -363,7 +360,7 @@ def _stable_index(key: str, salt: int, n: int) -> int:
 
 
 def _masked_in_block(engine, state) -> tuple[int, int]:
-    block = engine.current_block(state)
+    block = state.current_block(engine.mask_id)
     start, end = state.block_bounds(block)
     return block, sum(1 for t in state.canvas[start:end] if t == engine.mask_id)
 

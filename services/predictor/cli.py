@@ -90,7 +90,8 @@ def _collect(args: argparse.Namespace) -> int:
     import torch
 
     from services.predictor.traces import CollectConfig, collect_traces, write_traces
-    from services.worker.engine.engine import DLMEngine, EngineError
+    from services.worker.engine.engine import DLMEngine
+    from services.worker.engine.request import EngineError
     from shared.tasks import Split, TaskGenerator
 
     torch.set_num_threads(args.threads)

@@ -34,7 +34,8 @@ from shared.features import FEATURE_NAMES, MODEL_OUTPUT_FEATURE_NAMES
 from shared.messages.base import StepKind
 
 if TYPE_CHECKING:
-    from services.worker.engine.engine import DLMEngine, RequestState, StepResult
+    from services.worker.engine.engine import DLMEngine
+    from services.worker.engine.request import RequestState, StepResult
     from shared.tasks import Problem
 
 DEFAULT_THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95)  # the scheduler's default candidates
@@ -103,7 +104,7 @@ def collect_traces(
 ) -> list[dict]:
     """Run every problem to completion with continuous batching; return the trace rows. ``on_progress``
     gets (requests finished, requests) after every step."""
-    from services.worker.engine.engine import CacheMode
+    from shared.messages.base import CacheMode
 
     config = config or CollectConfig()
     rng = random.Random(seed)

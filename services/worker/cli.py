@@ -61,7 +61,8 @@ def _register_generate(subparsers) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from services.worker.engine.engine import CacheMode, DLMEngine, EngineError
+    from services.worker.engine.engine import CacheMode, DLMEngine
+    from services.worker.engine.request import EngineError
 
     if not 0.0 <= args.threshold <= 1.0:
         raise CliError(f"--threshold must be between 0 and 1, got {args.threshold}")

@@ -23,8 +23,9 @@ from pathlib import Path
 
 import torch
 
-from services.worker.engine.engine import CacheMode, DLMEngine, StepKind
+from services.worker.engine.engine import DLMEngine
 from services.worker.kv.cache import KVBudgetExceeded
+from shared.messages.base import CacheMode, StepKind
 
 KINDS = ("recompute_ms", "cache_ms", "full_ms")
 

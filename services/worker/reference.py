@@ -5,8 +5,8 @@ the engine can be tested against it token for token. ``cache`` gives Fast-dLLM's
 in its plainest form: a full forward at each block start keeps every position's keys and values;
 the block's later steps run the fresh window (the block for ``dual``, the block and everything after
 it for ``prefix``) and attend to the kept keys and values with the window's fresh ones in their slots.
-Confidences are the engine's (``services/worker/decoding/commit.py``: the float64 softmax at the likeliest
-token, as LLaDA's and Fast-dLLM's decoders compute it).
+Confidences are the engine's (``services/worker/decoding/rule.py``, ``greedy_candidates``: the softmax at the
+likeliest token, as LLaDA's and Fast-dLLM's decoders compute it).
 
 ``rule`` picks the decoding rule (``services/worker/decoding/rule.py``): ``llada``, the default whatever
 the model's config says (DiLaServe's rule: the threshold at every step; a shifted model's windows start
@@ -23,8 +23,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.worker.decoding.commit import greedy_candidates
-from services.worker.decoding.rule import DecodingRule, cache_window_start, parse_rule, select_commits
+from services.worker.decoding.rule import (
+    DecodingRule,
+    cache_window_start,
+    greedy_candidates,
+    parse_rule,
+    select_commits,
+)
 from services.worker.model.dlm import DLMForMaskedDiffusion
 
 

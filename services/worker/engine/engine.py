@@ -1,9 +1,7 @@
 """The denoising engine: block-wise threshold decoding with step-level batching and an approximate KV cache.
 
-A request's state is plain data (:class:`RequestState`): prompt ids, the generation canvas (mask ids
-where nothing is committed yet), block length, cache mode, step count. Any engine can continue a
-request from it; the only thing an engine keeps locally is the request's KV cache, which it rebuilds
-with a recompute step when it does not have it (that is what makes migration cheap).
+A request's state is plain data (:class:`RequestState`, ``services/worker/engine/request.py``): any
+engine can continue a request from it; the only thing an engine keeps locally is the request's KV cache.
 
 One :meth:`DLMEngine.step` call advances every request in the batch by one denoising step, each with
 its own threshold. Requests may differ in prompt length, generation length, block length, block
@@ -61,7 +59,7 @@ batch that would overflow with :class:`KVBudgetExceeded` before anything changes
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -70,8 +68,15 @@ import torch
 from services.worker.attention.flash import FLASH_PAGE_SIZE
 from services.worker.attention.layout import KeyLayout, StepLayout
 from services.worker.attention.select import AttentionBackend, resolve_backend
-from services.worker.decoding.rule import DecodingRule, cache_window_start, decoding_rule
+from services.worker.decoding.rule import DecodingRule, cache_window_start, commit_eligible, decoding_rule
 from services.worker.decoding.sampling import MAX_TOP_LOGPROBS, SamplingParams, noise_seed
+from services.worker.engine.request import (
+    ConfidenceStats,
+    EngineError,
+    GenerationResult,
+    RequestState,
+    StepResult,
+)
 from services.worker.kv.cache import KVBudgetExceeded as KVBudgetExceeded  # re-exported: what step raises
 from services.worker.kv.cache import PagedKVCache
 from services.worker.model.dlm import DLMForMaskedDiffusion
@@ -83,107 +88,9 @@ from services.worker.runner.runner import (
     StepOutput,
     TopRows,
 )
-from shared.generation import Answer, answer_of, canvas_length, stop_length
+from shared.generation import Answer, canvas_length, stop_length
 from shared.messages.base import CacheMode, StepKind
 from shared.tokenizer import answer_text
-
-
-class EngineError(ValueError):
-    """A request the engine cannot run (bad lengths, unknown tokens, bad threshold)."""
-
-
-@dataclass
-class RequestState:
-    """Everything needed to continue a request on any engine."""
-
-    request_id: str
-    prompt_ids: list[int]
-    canvas: list[int]  # generation positions; the mask id where not committed yet
-    block_length: int
-    cache_mode: CacheMode = CacheMode.DUAL
-    num_steps: int = 0
-    finished: bool = False
-    ignore_eos: bool = False  # decode the whole canvas (benchmarks); otherwise stop at the EOS block
-    sampling: SamplingParams = field(default_factory=SamplingParams)  # greedy unless a temperature is set
-    num_top_logprobs: int = 0  # record this many most likely tokens at every committed position
-    stop: tuple[str, ...] = ()  # stop strings: the answer ends before the first one
-    max_tokens: int | None = None  # the answer's cap (stop strings are looked for within it)
-    # canvas position -> the model's probability of the token committed there (0.0: none committed by a step)
-    confidences: list[float] = field(default_factory=list)
-    top_token_ids: list[list[int]] = field(default_factory=list)  # canvas position -> most likely tokens
-    top_probs: list[list[float]] = field(default_factory=list)  # canvas position -> their probabilities
-    stop_length: int | None = None  # answer tokens, once a stop string ended the answer
-    # canvas position where the model expects the answer's EOS, from the last full forward (gen_length:
-    # none within the canvas; None: no full forward here yet). Kept in memory only: a request that moves
-    # runs a full forward first anyway, which tells it again (the step predictor's end feature)
-    predicted_end: int | None = None
-
-    @property
-    def gen_length(self) -> int:
-        return len(self.canvas)
-
-    def record_commit(self, position: int, probability: float, top: tuple[list[int], list[float]] | None) -> None:
-        """Remember what ``position`` was committed with (``logprobs``)."""
-        if len(self.confidences) != self.gen_length:
-            self.confidences = (self.confidences + [0.0] * self.gen_length)[: self.gen_length]
-        self.confidences[position] = probability
-        if top is not None:
-            if len(self.top_token_ids) != self.gen_length:
-                self.top_token_ids = (self.top_token_ids + [[] for _ in range(self.gen_length)])[: self.gen_length]
-                self.top_probs = (self.top_probs + [[] for _ in range(self.gen_length)])[: self.gen_length]
-            self.top_token_ids[position], self.top_probs[position] = top
-
-    @property
-    def num_blocks(self) -> int:
-        return -(-self.gen_length // self.block_length)
-
-    def block_bounds(self, block: int) -> tuple[int, int]:
-        start = block * self.block_length
-        return start, min(start + self.block_length, self.gen_length)
-
-
-@dataclass(frozen=True)
-class ConfidenceStats:
-    """Confidences of the current block's positions still masked after the step (1.0 when none)."""
-
-    min: float
-    q25: float
-    median: float
-    mean: float
-    q75: float
-
-    @classmethod
-    def of(cls, values: list[float]) -> ConfidenceStats:
-        if not values:
-            return cls(1.0, 1.0, 1.0, 1.0, 1.0)
-        v = sorted(values)
-        return cls(v[0], _quantile(v, 0.25), _quantile(v, 0.5), sum(v) / len(v), _quantile(v, 0.75))
-
-
-def _quantile(sorted_values: list[float], q: float) -> float:
-    pos = q * (len(sorted_values) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(sorted_values) - 1)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
-
-
-@dataclass
-class StepResult:
-    request_id: str
-    kind: StepKind
-    block_index: int  # the block this step decoded
-    committed_positions: list[int]  # indices into the canvas
-    committed_token_ids: list[int]
-    finished: bool
-    num_steps: int  # steps done so far, this one included
-    num_masked: int  # masked canvas positions left
-    confidence: ConfidenceStats
-    threshold: float
-    # every position masked before this step: its top probability, in position order (what the
-    # commit rule compared with the threshold; the simulator's replay derives other thresholds' commits)
-    masked_confidences: tuple[float, ...] = ()
-    blocks_skipped: int = 0  # blocks left undecoded because this step completed one holding an EOS
-    predicted_end: int | None = None  # ``RequestState.predicted_end`` after the step
 
 
 @dataclass(frozen=True)
@@ -208,16 +115,6 @@ class KVMemory:
         if not self.budget_bytes:
             return 0
         return max(self.budget_bytes // self.bytes_per_token - max_batch * (self.page_tokens - 1), 0)
-
-
-@dataclass
-class GenerationResult:
-    text: str
-    tokens: list[int]
-    num_steps: int
-    step_kinds: list[StepKind] = field(default_factory=list)
-    finish_reason: str = "stop"  # "stop" (an EOS within max_tokens) or "length"
-    blocks_skipped: int = 0  # blocks early stop saved
 
 
 @dataclass(frozen=True)
@@ -434,14 +331,10 @@ class DLMEngine:
             return None
         return state.request_id, len(state.prompt_ids) + state.gen_length
 
-    def current_block(self, state: RequestState) -> int:
-        first_mask = state.canvas.index(self.mask_id)
-        return first_mask // state.block_length
-
     def next_step_kind(self, state: RequestState) -> StepKind:
         if state.cache_mode is CacheMode.NONE:
             return StepKind.RECOMPUTE
-        fresh = self._cache_blocks.get(state.request_id) == self.current_block(state)
+        fresh = self._cache_blocks.get(state.request_id) == state.current_block(self.mask_id)
         return StepKind.CACHE if fresh else StepKind.RECOMPUTE
 
     # --- the step -------------------------------------------------------------------------------
@@ -468,7 +361,7 @@ class DLMEngine:
             if item.kind is StepKind.RECOMPUTE and item.state.cache_mode is not CacheMode.NONE:
                 self._cache_blocks[item.state.request_id] = item.block
             n = item.block_size
-            if item.kind is StepKind.RECOMPUTE and self.predict_end and self.stops_at_eos(item.state):
+            if item.kind is StepKind.RECOMPUTE and self.predict_end and item.state.stops_at_eos(self.stop_at_eos):
                 # where the request expects its EOS: its block rows and the lookahead rows after them
                 self._predict_end(item, output.tokens[row : row + n] + output.tokens[ahead : ahead + item.num_lookahead])
                 ahead += item.num_lookahead
@@ -483,7 +376,7 @@ class DLMEngine:
         if not 0.0 <= threshold <= 1.0:
             raise EngineError(f"threshold {threshold} is outside [0, 1]")
         self._check_options(state)
-        kind, block = self.next_step_kind(state), self.current_block(state)
+        kind, block = self.next_step_kind(state), state.current_block(self.mask_id)
         sequence = state.prompt_ids + state.canvas
         prompt_len = len(state.prompt_ids)
         start, end = state.block_bounds(block)
@@ -491,7 +384,7 @@ class DLMEngine:
         window_start = cache_window_start(self.rule, prompt_len + start, self.shift)  # a cache step's first row
         if kind is StepKind.RECOMPUTE:
             stored = {CacheMode.NONE: 0, CacheMode.PREFIX: window_start, CacheMode.DUAL: len(sequence)}
-            ahead = state.gen_length - end if self.predict_end and self.stops_at_eos(state) else 0
+            ahead = state.gen_length - end if self.predict_end and state.stops_at_eos(self.stop_at_eos) else 0
             return _Item(state, threshold, kind, block, 0, sequence, predicting, stored[state.cache_mode], ahead)
         window_end = prompt_len + (end if state.cache_mode is CacheMode.DUAL else state.gen_length)
         # Dream's rule starts the window at the block: its first position (committed at the block's first
@@ -545,7 +438,7 @@ class DLMEngine:
             max_position=int(max(it.fresh_start + len(it.fresh_ids) for it in items)) - 1,
             write_slots=write_slots, write_rows=write_rows, sampled=sampled, top=top,
             graph_window=q_lengths[0] if graphable else 0, block_length=block_sizes[0] if graphable else 0,
-            inclusive=self.rule is DecodingRule.DREAM,
+            inclusive=self.rule.inclusive,
         )
 
     def _keys_and_writes(self, items: list[_Item], keys: KeyLayout, q_lengths: list[int], q_starts: np.ndarray,
@@ -571,14 +464,13 @@ class DLMEngine:
         (``grid``), and the items that draw or want their top candidates."""
         num_rows = int(sum(block_sizes))
         row_starts = np.concatenate(([0], np.cumsum(block_sizes)[:-1])).tolist()
-        eligible = np.fromiter((t == self.mask_id for it in items for t in it.block_tokens), dtype=bool, count=num_rows)
+        masked = np.fromiter((t == self.mask_id for it in items for t in it.block_tokens), dtype=bool, count=num_rows)
+        eligible = commit_eligible(self.rule, masked, row_starts, block_sizes)
         thresholds = np.repeat(np.array([it.threshold for it in items], dtype=np.float64), block_sizes)
         grid = np.full((len(items), max(block_sizes)), num_rows, dtype=np.int64)
         sampled, top = [], []
         for i, (it, start, n) in enumerate(zip(items, row_starts, block_sizes, strict=True)):
             grid[i, :n] = np.arange(start, start + n)
-            if self.rule is DecodingRule.DREAM and eligible[start]:
-                eligible[start + 1 : start + n] = False
             state = it.state
             if not state.sampling.greedy:
                 seed = noise_seed(state.sampling.seed, state.request_id, state.num_steps)
@@ -629,7 +521,7 @@ class DLMEngine:
             state.canvas[pos] = token
         state.num_steps += 1
         eos_at = [p for p, t in committed if t == self.eos_id]
-        if eos_at and self.predict_end and self.stops_at_eos(state):  # the answer ends there or before
+        if eos_at and self.predict_end and state.stops_at_eos(self.stop_at_eos):  # the answer ends there or before
             known = state.gen_length if state.predicted_end is None else state.predicted_end
             state.predicted_end = min(*eos_at, known)
         skipped = self._finish_if_done(state, start, end)
@@ -637,6 +529,7 @@ class DLMEngine:
             state.request_id, item.kind, item.block, [p for p, _ in committed], [t for _, t in committed],
             state.finished, state.num_steps, state.canvas.count(self.mask_id), ConfidenceStats.of(remaining),
             item.threshold, tuple(masked_confidences), skipped, state.predicted_end,
+            block_done=not remaining or state.finished,  # a stop string's padding fills the block too
         )
 
     def _finish_if_done(self, state: RequestState, block_start: int, block_end: int) -> int:
@@ -648,7 +541,7 @@ class DLMEngine:
         if state.stop_length is not None:
             skipped = state.num_blocks - 1 - block_start // state.block_length
             state.canvas[:] = [self.eos_id if t == self.mask_id else t for t in state.canvas]
-        elif block_done and self.stops_at_eos(state) and self.eos_id in state.canvas[:block_end]:
+        elif block_done and state.stops_at_eos(self.stop_at_eos) and self.eos_id in state.canvas[:block_end]:
             skipped = state.num_blocks - 1 - block_start // state.block_length
             state.canvas[block_end:] = [self.eos_id] * (state.gen_length - block_end)
         if self.mask_id not in state.canvas:
@@ -661,17 +554,13 @@ class DLMEngine:
         if not state.stop:
             return None
         first_mask = state.canvas.index(self.mask_id) if self.mask_id in state.canvas else state.gen_length
-        so_far = answer_of(state.canvas[:first_mask], self.eos_id, state.max_tokens, not self.stops_at_eos(state))
-        return stop_length(so_far.token_ids, self.decode, state.stop)
+        return stop_length(self.answer(state, upto=first_mask).token_ids, self.decode, state.stop)
 
-    def stops_at_eos(self, state: RequestState) -> bool:
-        return self.stop_at_eos and not state.ignore_eos
-
-    def answer(self, state: RequestState, max_tokens: int | None = None) -> Answer:
-        """The answer of a finished request, cut at ``max_tokens`` (default: the request's own cap) and
-        before a stop string (see ``shared.generation``)."""
-        cap = state.max_tokens if max_tokens is None else max_tokens
-        return answer_of(state.canvas, self.eos_id, cap, not self.stops_at_eos(state), state.stop_length)
+    def answer(self, state: RequestState, max_tokens: int | None = None, upto: int | None = None) -> Answer:
+        """The answer in ``state``'s canvas (``RequestState.answer``: EOS ignored where the request or this
+        engine ignores it), cut at ``max_tokens`` (default: the request's own cap); ``upto``: the answer so
+        far in the canvas's first ``upto`` positions."""
+        return state.answer(self.eos_id, self.stop_at_eos, max_tokens, upto)
 
     # --- conveniences ---------------------------------------------------------------------------
 

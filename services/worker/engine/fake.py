@@ -8,14 +8,8 @@ versioned writes, events, results) is real, so what a benchmark measures is the 
 
 from __future__ import annotations
 
-from services.worker.engine.engine import (
-    CacheMode,
-    ConfidenceStats,
-    EngineError,
-    RequestState,
-    StepKind,
-    StepResult,
-)
+from services.worker.engine.request import ConfidenceStats, EngineError, RequestState, StepResult
+from shared.messages.base import CacheMode, StepKind
 
 FILL_ID = 5  # the token the fake commits
 
@@ -52,7 +46,7 @@ class ZeroComputeEngine:
 
     def _step(self, state: RequestState, threshold: float) -> StepResult:
         canvas, mask = state.canvas, self.mask_id
-        block = canvas.index(mask) // state.block_length
+        block = state.current_block(mask)
         start, end = state.block_bounds(block)
         kind = StepKind.CACHE if (state.cache_mode is not CacheMode.NONE and state.request_id in self._cached
                                   and canvas[start] != mask) else StepKind.RECOMPUTE
@@ -74,7 +68,7 @@ class ZeroComputeEngine:
             self._cached.add(state.request_id)
         left = canvas[start:end].count(mask)
         return StepResult(state.request_id, kind, block, masked, [FILL_ID] * len(masked), state.finished,
-                          state.num_steps, num_masked, self._confidence(left), threshold)
+                          state.num_steps, num_masked, self._confidence(left), threshold, block_done=left == 0)
 
     def _confidence(self, num_left: int) -> ConfidenceStats:
         """The stats of ``num_left`` positions at confidence 0.5 (memoised: the same for every request)."""

@@ -40,10 +40,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.worker.decoding.sampling import SamplingParams
-from services.worker.engine.engine import CacheMode, DLMEngine, RequestState, StepKind, StepResult
+from services.worker.engine.engine import DLMEngine
+from services.worker.engine.request import RequestState, StepResult
 from services.worker.kv.cache import KVBudgetExceeded
 from services.worker.model.dlm import DLMConfig, DLMForMaskedDiffusion
 from services.worker.model.loading import load_model
+from shared.messages.base import CacheMode, StepKind
 
 _HOST = "127.0.0.1"
 _START_POLL_S = 0.1  # how often rank 0 checks on children while they start
@@ -443,9 +445,6 @@ class TensorParallelEngine:
     def next_step_kind(self, state: RequestState) -> StepKind:
         return self._engine.next_step_kind(state)
 
-    def current_block(self, state: RequestState) -> int:
-        return self._engine.current_block(state)
-
     def new_request(
         self,
         request_id: str,
@@ -477,7 +476,6 @@ class TensorParallelEngine:
         self.warm_steps()
         return 0
     generate = DLMEngine.generate
-    stops_at_eos = DLMEngine.stops_at_eos
     answer = DLMEngine.answer
 
     @property

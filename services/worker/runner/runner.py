@@ -10,7 +10,7 @@ block positions are still masked and each request's threshold). The runner:
    into a device tensor per request, and attention metadata is built once per step, not per layer;
 2. runs **one** forward for the whole batch, recompute and cache requests together, with one
    attention call per layer (``services/worker/attention/step.py``);
-3. applies the commit rule on the device for the whole batch (``services/worker/decoding/commit.py``), with
+3. applies the commit rule on the device for the whole batch (``services/worker/decoding/rule.py``), with
    sampled requests' draws and top-logprob candidates computed there too;
 4. brings back **one** small float64 tensor (each block row's probability, token and commit flag;
    tokens of the lookahead rows; top candidates where asked): one device-to-host transfer.
@@ -37,7 +37,7 @@ import torch
 from services.worker.attention.layout import KeyLayout, StepLayout
 from services.worker.attention.select import AttentionBackend
 from services.worker.attention.step import StepAttention
-from services.worker.decoding.commit import commit_mask, greedy_candidates
+from services.worker.decoding.rule import commit_mask, greedy_candidates
 from services.worker.decoding.sampling import SamplingParams, sample, top_candidates
 from services.worker.kv.cache import PagedKVCache
 from services.worker.model.dlm import DLMForMaskedDiffusion

@@ -20,7 +20,7 @@ from shared.messages.predictor import PredictionQuery, RemainingSteps, StepPredi
 from shared.messages.steps import RequestStepResult
 
 ROOT = Path(__file__).resolve().parents[3]
-ENGINE = ROOT / "services/worker/engine/engine.py"
+ENGINE = ROOT / "services/worker/engine/request.py"
 PREDICTOR = ROOT / "services/predictor/core/predictor.py"
 PLAN = ROOT / "services/reconfigurator/core/plan.py"
 SPEC = ROOT / "services/reconfigurator/core/spec.py"

@@ -21,7 +21,7 @@ HOMES = {
     "StepKind": "shared/messages/base.py",
     "CacheMode": "shared/messages/base.py",
     "RequestStatus": "shared/messages/base.py",
-    "StepResult": "services/worker/engine/engine.py",
+    "StepResult": "services/worker/engine/request.py",
     "RequestRecord": "shared/state.py",
 }
 

@@ -10,7 +10,8 @@ from services.predictor.core.model import StepModel
 from services.predictor.core.training import TrainParams
 from services.predictor.traces import CollectConfig, TraceSet, collect_traces, read_traces, write_traces
 from services.predictor.training import fit
-from services.worker.engine.engine import CacheMode, ConfidenceStats, RequestState, StepKind, StepResult
+from services.worker.engine.request import ConfidenceStats, RequestState, StepResult
+from shared.messages.base import CacheMode, StepKind
 from shared.tasks import Split, TaskGenerator
 
 FAST = TrainParams(num_rounds=20, min_data_in_leaf=3)

@@ -7,7 +7,8 @@ import dataclasses
 
 from services.predictor.core.served import LabelledState, states_from_steps
 from services.predictor.traces import CollectConfig, collect_traces
-from services.worker.engine.engine import CacheMode, RequestState, StepResult
+from services.worker.engine.request import RequestState, StepResult
+from shared.messages.base import CacheMode
 from shared.messages.base import CacheMode as WireCacheMode
 from shared.messages.base import ConfidenceStats as WireConfidence
 from shared.state import RequestRecord, RequestStatus, StepRecord

@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from services.worker.engine.engine import ConfidenceStats, RequestState, StepKind, StepResult
+from services.worker.engine.request import ConfidenceStats, RequestState, StepResult
 from shared.features import (
     ARRIVAL_FEATURE_NAMES,
     FEATURE_NAMES,
@@ -11,6 +11,7 @@ from shared.features import (
     features_after_step,
     step_features,
 )
+from shared.messages.base import StepKind
 
 
 def test_fourteen_features_in_documented_order():

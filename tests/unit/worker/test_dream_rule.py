@@ -12,9 +12,10 @@ windows from the block) and in the commit rule on the device (``eligible``, ``in
 import pytest
 
 from services.worker.decoding.rule import DecodingRule, decoding_rule
-from services.worker.engine.engine import CacheMode, DLMEngine
+from services.worker.engine.engine import DLMEngine
 from services.worker.model.loading import load_model
 from services.worker.reference import reference_generate
+from shared.messages.base import CacheMode
 from tests.dream_checkpoint import write_dream_weights
 
 from .conftest import random_specs, tiny_model

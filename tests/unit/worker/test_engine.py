@@ -3,8 +3,10 @@ import random
 import pytest
 import torch
 
-from services.worker.engine.engine import CacheMode, DLMEngine, EngineError, StepKind
+from services.worker.engine.engine import DLMEngine
+from services.worker.engine.request import EngineError
 from services.worker.reference import reference_generate
+from shared.messages.base import CacheMode, StepKind
 
 from .conftest import tiny_model
 
@@ -75,7 +77,7 @@ def test_a_full_forward_predicts_where_the_answer_ends(mode, shift):
             with torch.no_grad():
                 logits = model(torch.tensor([prompt + a.canvas])).logits[0].float()
             logits[:, model.config.mask_token_id] = float("-inf")
-            start = seeing.current_block(a) * 8
+            start = a.current_block(seeing.mask_id) * 8
             rows = logits[len(prompt) - shift:len(prompt) - shift + 24].argmax(-1).tolist()
             expected = next((p for p in range(start, 24) if a.canvas[p] == 1 and rows[p] == 2), 24)
             checked += 1

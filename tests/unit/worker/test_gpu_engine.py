@@ -19,10 +19,11 @@ import torch
 from services.worker.attention.layout import KeyLayout, StepLayout
 from services.worker.attention.select import AttentionBackend, backend_runs
 from services.worker.attention.step import StepAttention
-from services.worker.engine.engine import CacheMode, DLMEngine, StepKind
+from services.worker.engine.engine import DLMEngine
 from services.worker.kv.cache import PagedKVCache
 from services.worker.model.loading import load_model
 from services.worker.reference import reference_generate
+from shared.messages.base import CacheMode, StepKind
 from shared.tasks import Split, TaskGenerator
 
 from .conftest import tiny_model

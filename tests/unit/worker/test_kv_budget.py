@@ -4,9 +4,10 @@ changed), compaction gathers scattered free pages, and ``trim`` gives the memory
 import pytest
 import torch
 
-from services.worker.engine.engine import CacheMode, DLMEngine, KVBudgetExceeded
-from services.worker.kv.cache import PagedKVCache
+from services.worker.engine.engine import DLMEngine
+from services.worker.kv.cache import KVBudgetExceeded, PagedKVCache
 from services.worker.reference import reference_generate
+from shared.messages.base import CacheMode
 
 from .conftest import tiny_model
 

@@ -10,9 +10,10 @@ from services.worker.attention import varlen
 from services.worker.attention.layout import KeyLayout, StepLayout
 from services.worker.attention.select import AttentionBackend, backend_runs, resolve_backend
 from services.worker.attention.step import StepAttention
-from services.worker.engine.engine import CacheMode, DLMEngine, StepKind
+from services.worker.engine.engine import DLMEngine
 from services.worker.kv.cache import PagedKVCache
 from services.worker.reference import reference_generate
+from shared.messages.base import CacheMode, StepKind
 
 from . import varlen_emulation
 from .conftest import random_specs, tiny_model

@@ -14,9 +14,10 @@ import random
 import pytest
 import torch
 
-from services.worker.engine.engine import CacheMode, DLMEngine
+from services.worker.engine.engine import DLMEngine
 from services.worker.model.dlm import RMSNorm, apply_rope
 from services.worker.reference import reference_generate
+from shared.messages.base import CacheMode
 
 from .conftest import tiny_model
 

@@ -12,8 +12,9 @@ import torch
 from services.worker.attention import flex, sdpa, varlen
 from services.worker.attention.select import AttentionBackend, kernel_self_test
 from services.worker.decoding.sampling import SamplingParams
-from services.worker.engine.engine import CacheMode, DLMEngine, StepKind
+from services.worker.engine.engine import DLMEngine
 from services.worker.reference import reference_generate
+from shared.messages.base import CacheMode, StepKind
 
 from . import varlen_emulation
 from .conftest import random_specs, tiny_model

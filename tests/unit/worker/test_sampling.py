@@ -7,9 +7,11 @@ import pytest
 import torch
 
 from services.worker.decoding.sampling import SamplingParams, cut, noise_seed, sample
-from services.worker.engine.engine import CacheMode, DLMEngine, EngineError, RequestState
+from services.worker.engine.engine import DLMEngine
+from services.worker.engine.request import EngineError, RequestState
 from services.worker.reference import reference_generate
 from shared.generation import stop_length
+from shared.messages.base import CacheMode
 
 from .conftest import tiny_model
 

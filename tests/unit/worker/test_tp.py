@@ -17,7 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from services.worker.engine.engine import CacheMode, DLMEngine, EngineError, RequestState, StepKind
+from services.worker.engine.engine import DLMEngine
+from services.worker.engine.request import EngineError, RequestState
 from services.worker.model.dlm import DLMConfig
 from services.worker.parallel.tp_engine import (
     ShardingError,
@@ -27,6 +28,7 @@ from services.worker.parallel.tp_engine import (
     make_engine,
     shard_model,
 )
+from shared.messages.base import CacheMode, StepKind
 from shared.tasks import Split, TaskGenerator
 
 from .conftest import tiny_model
