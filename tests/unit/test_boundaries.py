@@ -23,11 +23,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-FIRST_PARTY = ("services", "shared", "sim", "loadgen", "bench", "tests")
+FIRST_PARTY = ("services", "shared", "sim", "loadgen", "bench", "tests", "calibrate", "training")
 SERVICES = ("gateway", "scheduler", "predictor", "reconfigurator", "worker", "node_agent")
 # the worker's engine and what it is built from: the worker's core (DESIGN section 2)
-WORKER_CORE = tuple(f"services.worker.{m}" for m in ("engine", "model", "loading", "reference", "sampling",
-                                                     "attention", "kv_cache"))
+WORKER_CORE = tuple(f"services.worker.{m}" for m in ("engine", "runner", "decoding", "attention", "kv", "model",
+                                                     "parallel", "reference"))
 OFFLINE_TOOLS = ("services/predictor/cli.py", "services/predictor/traces.py")
 
 
