@@ -110,7 +110,7 @@ class _tp_engine:
     def __enter__(self):
         if self.tp == 1:
             return self.session.engine
-        from services.worker.parallel.tp_engine import make_engine
+        from services.worker.parallel.build import make_engine
 
         per_rank = max(1, self.threads // self.tp)
         self.session.progress.note(f"profile: starting TP {self.tp} ({self.tp} ranks, {per_rank} threads each)")

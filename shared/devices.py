@@ -3,7 +3,7 @@
 A worker the node agent starts is pinned to its slot's GPUs with ``CUDA_VISIBLE_DEVICES`` (``pin``:
 the agent's GPU ids are positions in the ``CUDA_VISIBLE_DEVICES`` the agent itself was given, if
 any), so it sees them as ``cuda:0 .. cuda:tp-1``, and ``DLS_WORKER_DEVICE=cuda`` puts rank r on
-``cuda:r`` (the engine's placement: ``services.worker.parallel.tp_engine.rank_device``). ``cuda_problem`` says why a
+``cuda:r`` (the engine's placement: ``services.worker.parallel.placement.rank_device``). ``cuda_problem`` says why a
 CUDA device cannot be had, before anything is started on it.
 """
 

@@ -206,7 +206,7 @@ def test_cache_modes_agree_with_the_engine_offline(nats_server, redis_server, un
 
 def test_a_tensor_parallel_instance_gives_the_tokens_of_tp1(nats_server, redis_server, unique_prefix):
     """A TP-2 worker (two processes over gloo) serves requests with exactly the tokens of TP-1."""
-    from services.worker.parallel.tp_engine import make_engine
+    from services.worker.parallel.build import make_engine
 
     async def main():
         cluster = LiveCluster(nats_server.url, redis_server.url, unique_prefix)

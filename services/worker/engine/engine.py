@@ -61,6 +61,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -91,6 +92,9 @@ from services.worker.runner.runner import (
 from shared.generation import Answer, canvas_length, stop_length
 from shared.messages.base import CacheMode, StepKind
 from shared.tokenizer import answer_text
+
+if TYPE_CHECKING:
+    from services.worker.model.loading import LoadedModel
 
 
 @dataclass(frozen=True)
@@ -161,8 +165,18 @@ class _Item:
         return len(self.state.prompt_ids) + self.state.gen_length
 
 
+def loaded_options(loaded: LoadedModel) -> dict:
+    """The engine options a loaded model brings: its tokenizer, default lengths, name and longest canvas."""
+    return dict(tokenizer=loaded.tokenizer, default_gen_length=loaded.gen_length,
+                default_block_length=loaded.block_length, name=loaded.name,
+                max_gen_length=loaded.limits.max_gen_length)
+
+
 class DLMEngine:
-    """Runs denoising steps for batches of requests on one model instance."""
+    """Runs denoising steps for batches of requests on one model instance (the ``Engine`` protocol,
+    ``services/worker/engine/protocol.py``)."""
+
+    blocking = True  # a step runs the model: the worker runs it off its event loop
 
     def __init__(
         self,
@@ -215,14 +229,16 @@ class DLMEngine:
         self.last_step_traffic: dict[StepKind, KVTraffic] = {}  # kind -> bytes its forward moved, last step
 
     @classmethod
-    def from_pretrained(cls, directory: str | Path, device: str = "cpu", **kwargs) -> DLMEngine:
+    def from_loaded(cls, loaded: LoadedModel, **options) -> DLMEngine:
+        """The engine of a loaded model (``services/worker/model/loading.py``), with its tokenizer, default
+        lengths, name and longest canvas; ``options``: the constructor's others."""
+        return cls(loaded.model, **loaded_options(loaded), **options)
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, device: str = "cpu", **options) -> DLMEngine:
         from services.worker.model.loading import load_model
 
-        loaded = load_model(directory, device=device)
-        return cls(
-            loaded.model, loaded.tokenizer, loaded.gen_length, loaded.block_length, name=loaded.name,
-            max_gen_length=loaded.limits.max_gen_length, **kwargs,
-        )
+        return cls.from_loaded(load_model(directory, device=device), **options)
 
     @property
     def attention(self) -> AttentionBackend:
@@ -586,6 +602,15 @@ class DLMEngine:
         block = self.default_block_length
         window = block + (self.shift if self.rule is DecodingRule.LLADA else 0)  # a dual-cache step's rows
         return self.runner.capture(window, block, max_batch)
+
+    def close(self) -> None:
+        """Give back what the engine holds beyond its memory (a tensor-parallel engine's ranks). Idempotent."""
+
+    def __enter__(self) -> DLMEngine:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     def warm_steps(self) -> None:
         """One short request through a full step and a cache step, forgotten (any engine with ``step``)."""

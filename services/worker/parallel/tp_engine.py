@@ -1,17 +1,6 @@
 """Tensor parallelism: one model instance spread over ``d`` processes (Megatron-style sharding).
 
-Sharding (:func:`shard_model`), per block:
-
-* attention ``q_proj``/``k_proj``/``v_proj``: column-parallel by heads. Rank ``r`` keeps query heads
-  ``[r*h/d, (r+1)*h/d)`` and key/value heads ``[r*h_kv/d, (r+1)*h_kv/d)``; with grouped-query
-  attention those are exactly the key/value heads its query heads read, so attention is local.
-* ``attn_out``: row-parallel (the rank's slice of the head dimension), then an all-reduce.
-* SwiGLU ``ff_proj`` (gate) and ``up_proj``: column-parallel; ``ff_out`` (down): row-parallel, then an
-  all-reduce.
-* embeddings, norms and the LM head: replicated.
-
-After each all-reduce every rank holds the same activations, so every rank computes the same logits
-and commits the same tokens.
+Sharding: ``services/worker/model/parallel.py``.
 
 The engine (:class:`TensorParallelEngine`) is SPMD: each rank runs the ordinary :class:`DLMEngine`
 step logic with its shard, so each rank's KV cache holds its own heads. Rank 0 lives in the caller's
@@ -22,7 +11,8 @@ they are on rank 0, their thresholds, and the cache drops since the last step) w
 ``broadcast_object_list``. Broadcasting the states each step is what keeps the ranks in agreement
 when the worker loads a state from the state store at any step.
 
-``d = 1`` needs none of this: :func:`make_engine` returns a plain :class:`DLMEngine` then.
+``d = 1`` needs none of this: ``make_engine`` (``services/worker/parallel/build.py``) returns a plain
+:class:`DLMEngine` then.
 """
 
 from __future__ import annotations
@@ -36,15 +26,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn.functional as F
-from torch import nn
 
 from services.worker.decoding.sampling import SamplingParams
 from services.worker.engine.engine import DLMEngine
 from services.worker.engine.request import RequestState, StepResult
 from services.worker.kv.cache import KVBudgetExceeded
-from services.worker.model.dlm import DLMConfig, DLMForMaskedDiffusion
+from services.worker.model.dlm import DLMForMaskedDiffusion
 from services.worker.model.loading import load_model
+from services.worker.model.parallel import ShardingError, shard_model
+from services.worker.parallel.placement import rank_device
 from shared.messages.base import CacheMode, StepKind
 
 _HOST = "127.0.0.1"
@@ -53,94 +43,8 @@ _IDLE_POLL_S = 1.0  # how often an idle child checks that rank 0 is still there
 _JOIN_S = 10.0  # how long close() waits for a child to leave on its own before terminating it
 
 
-class ShardingError(ValueError):
-    """The model cannot be split over the requested tensor-parallel degree."""
-
-
 class TensorParallelError(RuntimeError):
     """A tensor-parallel rank failed or is gone; the engine cannot be used any more."""
-
-
-# --- sharding -------------------------------------------------------------------------------------
-
-AllReduce = Callable[[torch.Tensor], None]  # sums a tensor over the ranks, in place
-
-
-def _dist_all_reduce(tensor: torch.Tensor) -> None:
-    dist.all_reduce(tensor)
-
-
-class RowParallelLinear(nn.Module):
-    """A linear layer whose input features are split over the ranks: ``all_reduce(x_r @ W_r^T) + b``."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, all_reduce: AllReduce) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self.all_reduce = all_reduce
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight)
-        self.all_reduce(out)
-        # NOTE: the bias is added once, after the sum, not on every rank before it.
-        return out if self.bias is None else out + self.bias
-
-
-def check_divisible(config: DLMConfig, degree: int) -> None:
-    """Raise :class:`ShardingError` unless ``degree`` divides the heads, key/value heads and MLP width."""
-    if degree < 1:
-        raise ShardingError(f"tensor-parallel degree must be at least 1, got {degree}")
-    sizes = {"n_heads": config.n_heads, "n_kv_heads": config.n_kv_heads, "mlp_hidden_size": config.mlp_hidden_size}
-    bad = [f"{name}={value}" for name, value in sizes.items() if value % degree]
-    if bad:
-        raise ShardingError(
-            f"tensor-parallel degree {degree} must divide n_heads, n_kv_heads and mlp_hidden_size; "
-            f"not divisible: {', '.join(bad)}"
-        )
-
-
-def _keep_rows(linear: nn.Linear, rows: slice) -> None:
-    linear.weight = nn.Parameter(linear.weight.data[rows].clone(), requires_grad=False)
-    if linear.bias is not None:
-        linear.bias = nn.Parameter(linear.bias.data[rows].clone(), requires_grad=False)
-    linear.out_features = linear.weight.shape[0]
-
-
-def _row_parallel(linear: nn.Linear, columns: slice, all_reduce: AllReduce) -> RowParallelLinear:
-    bias = None if linear.bias is None else linear.bias.data.clone()
-    return RowParallelLinear(linear.weight.data[:, columns].clone(), bias, all_reduce)
-
-
-def _part(rank: int, size: int) -> slice:
-    return slice(rank * size, (rank + 1) * size)
-
-
-def shard_model(
-    model: DLMForMaskedDiffusion, rank: int, degree: int, all_reduce: AllReduce = _dist_all_reduce
-) -> DLMForMaskedDiffusion:
-    """Keep only rank ``rank``'s shard of every block (in place); the config still describes the whole model.
-
-    ``all_reduce`` sums the row-parallel partial outputs over the ranks (``torch.distributed`` by
-    default; tests pass an in-process one).
-    """
-    config = model.config
-    check_divisible(config, degree)
-    if not 0 <= rank < degree:
-        raise ShardingError(f"rank {rank} is outside [0, {degree})")
-    head_dim = config.head_dim
-    q_width = config.n_heads // degree * head_dim
-    kv_width = config.n_kv_heads // degree * head_dim
-    mlp_width = config.mlp_hidden_size // degree
-    for block in model.model.transformer.blocks:
-        _keep_rows(block.q_proj, _part(rank, q_width))
-        _keep_rows(block.k_proj, _part(rank, kv_width))
-        _keep_rows(block.v_proj, _part(rank, kv_width))
-        block.attn_out = _row_parallel(block.attn_out, _part(rank, q_width), all_reduce)
-        block.n_heads, block.n_kv_heads = config.n_heads // degree, config.n_kv_heads // degree
-        _keep_rows(block.ff_proj, _part(rank, mlp_width))
-        _keep_rows(block.up_proj, _part(rank, mlp_width))
-        block.ff_out = _row_parallel(block.ff_out, _part(rank, mlp_width), all_reduce)
-    return model
 
 
 # --- one rank -------------------------------------------------------------------------------------
@@ -171,24 +75,12 @@ class _RankSpec:
         return rank_device(self.device, rank)
 
 
-def rank_device(device: str, rank: int) -> torch.device:
-    """Where rank ``rank`` of an instance on ``device`` runs: ``cuda`` or ``cuda:N`` puts rank r on GPU
-    N + r (of the GPUs this process sees: a worker the node agent pinned with ``CUDA_VISIBLE_DEVICES``
-    sees its slot's GPUs as 0..tp-1); anything else is used as is."""
-    base = torch.device(device)
-    if base.type != "cuda":
-        return base
-    return torch.device("cuda", (base.index or 0) + rank)
-
-
 def _load_shard(spec: _RankSpec, rank: int) -> tuple[DLMEngine, DLMForMaskedDiffusion]:
     # slice on the CPU, then move
     loaded = load_model(spec.model_dir, device="cpu", dtype=spec.dtype, trust_remote_code=spec.trust_remote_code)
     shard_model(loaded.model, rank, spec.degree)
-    model = loaded.model.to(spec.rank_device(rank))
-    engine = DLMEngine(model, loaded.tokenizer, loaded.gen_length, loaded.block_length,
-                       stop_at_eos=spec.stop_at_eos, name=loaded.name, max_gen_length=loaded.limits.max_gen_length)
-    return engine, model
+    loaded.model.to(spec.rank_device(rank))
+    return DLMEngine.from_loaded(loaded, stop_at_eos=spec.stop_at_eos), loaded.model
 
 
 def _init_group(spec: _RankSpec, rank: int, store: dist.Store) -> None:
@@ -581,27 +473,3 @@ class TensorParallelEngine:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
-
-
-def make_engine(
-    model_dir: str | Path,
-    tp: int = 1,
-    device: str = "cpu",
-    dtype: torch.dtype | None = None,
-    stop_at_eos: bool = True,
-    trust_remote_code: bool = False,
-    **tp_options,
-) -> DLMEngine | TensorParallelEngine:
-    """A plain :class:`DLMEngine` for ``tp == 1``, a :class:`TensorParallelEngine` otherwise.
-
-    ``trust_remote_code``: tokenizer code the checkpoint ships may run (the worker's ``DLS_TRUST_REMOTE_CODE``).
-    ``tp_options`` (``num_threads``, ``timeout_s``, ``verify``, ``start_timeout_s``) only apply to ``tp > 1``.
-    """
-    if tp < 1:
-        raise ShardingError(f"tensor-parallel degree must be at least 1, got {tp}")
-    if tp == 1:
-        loaded = load_model(model_dir, device=device, dtype=dtype, trust_remote_code=trust_remote_code)
-        return DLMEngine(loaded.model, loaded.tokenizer, loaded.gen_length, loaded.block_length,
-                         stop_at_eos=stop_at_eos, name=loaded.name, max_gen_length=loaded.limits.max_gen_length)
-    return TensorParallelEngine(model_dir, tp, device, dtype, stop_at_eos, trust_remote_code=trust_remote_code,
-                                **tp_options)

@@ -269,10 +269,7 @@ class ModelRunner:
 def _graphs_possible(model: DLMForMaskedDiffusion, attention: AttentionBackend) -> bool:
     """Graphs need CUDA, a varlen kernel (its metadata has a fixed size per batch) and a whole model on
     one device (a tensor-parallel shard all-reduces between layers)."""
-    from torch import nn
-
-    whole = all(type(b.ff_out) is nn.Linear for b in model.model.transformer.blocks)
-    return (model.device.type == "cuda" and whole
+    return (model.device.type == "cuda" and model.tp_degree == 1
             and attention in (AttentionBackend.FLASH, AttentionBackend.TORCH_VARLEN))
 
 

@@ -20,14 +20,9 @@ import torch.distributed as dist
 from services.worker.engine.engine import DLMEngine
 from services.worker.engine.request import EngineError, RequestState
 from services.worker.model.dlm import DLMConfig
-from services.worker.parallel.tp_engine import (
-    ShardingError,
-    TensorParallelEngine,
-    TensorParallelError,
-    check_divisible,
-    make_engine,
-    shard_model,
-)
+from services.worker.model.parallel import ShardingError, check_divisible, shard_model
+from services.worker.parallel.build import make_engine
+from services.worker.parallel.tp_engine import TensorParallelEngine, TensorParallelError
 from shared.messages.base import CacheMode, StepKind
 from shared.tasks import Split, TaskGenerator
 
