@@ -7,9 +7,10 @@ at hand, so it is the one that publishes them.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from services.worker.engine.request import ConfidenceStats, RequestState, StepResult
-from shared.generation import answer_of, stream_release
+from shared.generation import stream_release
 from shared.messages import codec
 from shared.messages.base import ConfidenceStats as WireConfidence
 from shared.messages.events import RequestFinished, RequestProgress, TokenLogprobs, Usage
@@ -17,28 +18,23 @@ from shared.state import RequestRecord
 from shared.subjects import Subjects
 
 
+@dataclass
 class EventPublisher:
-    """Publishes the events of the requests one worker steps, on each request's events subject.
+    """Publishes the events of the requests one worker steps, on each request's events subject."""
 
-    ``engine``: the worker's engine (its ``eos_id``, ``mask_id`` and ``decode``); ``clock``: the worker's
-    unix time (a finished request's latency when its record has no ``finished_at``)."""
+    nc: object  # the worker's NATS connection
+    subjects: Subjects
+    engine: object  # the worker's engine: its ``eos_id``, ``mask_id`` and ``decode``
+    instance_id: str
+    clock: Callable[[], float]  # the worker's unix time (a finished request's latency without ``finished_at``)
+    max_payload_bytes: int
 
-    def __init__(self, nc, subjects: Subjects, engine, instance_id: str, clock: Callable[[], float],
-                 max_payload_bytes: int) -> None:
-        self.nc = nc
-        self.subjects = subjects
-        self.engine = engine
-        self.instance_id = instance_id
-        self.clock = clock
-        self.max_payload_bytes = max_payload_bytes
-
-    async def publish(self, record: RequestRecord, state: RequestState, outcome: StepResult, block_done: bool,
-                      threshold: float) -> None:
-        """The events of one request's step (``record``: as stored after it)."""
+    async def publish(self, record: RequestRecord, state: RequestState, outcome: StepResult, threshold: float) -> None:
+        """The events of one request's step at ``threshold`` (``record``: as stored after it)."""
         subject = self.subjects.events(record.request_id)
         if record.stream:
             delta, delta_ids, logprobs = "", [], None
-            if block_done or outcome.finished:
+            if outcome.block_done or outcome.finished:
                 delta, delta_ids, logprobs = self._stream_delta(record, state, outcome)
             progress = RequestProgress(
                 request_id=record.request_id, seq=record.num_steps + 1, num_steps=record.num_steps,
@@ -77,8 +73,8 @@ class EventPublisher:
         if outcome.finished:
             tokens = record.answer(eos).token_ids
         else:
-            tokens = answer_of(record.canvas[:end], eos, record.max_tokens, record.ignore_eos).token_ids
-        before = answer_of(record.canvas[:start], eos, record.max_tokens, record.ignore_eos).token_ids
+            tokens = state.answer(eos, upto=end).token_ids
+        before = state.answer(eos, upto=start).token_ids
         released_before = stream_release(len(before), record.stop, finished=False)
         released = max(stream_release(len(tokens), record.stop, outcome.finished), released_before)
         text = self._text(tokens[:released])[len(self._text(tokens[:released_before])):]

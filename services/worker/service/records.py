@@ -17,7 +17,6 @@ import msgspec
 
 from services.worker.decoding.sampling import SamplingParams
 from services.worker.engine.request import RequestState, StepResult
-from shared.generation import answer_of
 from shared.messages.base import StepKind
 from shared.messages.steps import StepItem
 from shared.state import RequestRecord, RequestStatus
@@ -59,15 +58,14 @@ def advanced(record: RequestRecord, state: RequestState, outcome: StepResult, th
     changes = {name: _copied(getattr(state, name)) for name in STEPPED}
     changes.update(
         num_steps=record.num_steps + 1, num_committed=len(state.canvas) - state.canvas.count(mask_id),
-        current_block=_current_block(state, mask_id),
+        current_block=state.current_block(mask_id),
         threshold_history=[*record.threshold_history, threshold], last_instance_id=instance_id,
         instance_history=history, num_migrations=record.num_migrations + int(moved),
         num_recompute_steps=record.num_recompute_steps + int(outcome.kind == StepKind.RECOMPUTE),
         status=RequestStatus.RUNNING,
     )
     if outcome.finished:
-        answer = answer_of(state.canvas, eos_id, record.max_tokens, record.ignore_eos, state.stop_length)
-        changes.update(status=RequestStatus.FINISHED, finished_at=now, finish_reason=answer.finish_reason)
+        changes.update(status=RequestStatus.FINISHED, finished_at=now, finish_reason=state.answer(eos_id).finish_reason)
     return msgspec.structs.replace(record, **changes)
 
 
@@ -80,12 +78,6 @@ def load_problem(item: StepItem, record: RequestRecord | None) -> str:
     if record.version != item.state_version:
         return f"stale state: command names version {item.state_version}, Redis holds {record.version}"
     return ""
-
-
-def _current_block(state: RequestState, mask_id: int) -> int:
-    if mask_id not in state.canvas:
-        return state.num_blocks
-    return state.canvas.index(mask_id) // state.block_length
 
 
 def _copied(value):

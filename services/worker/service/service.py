@@ -323,12 +323,10 @@ class WorkerService:
                 failures.append(StepFailure(request_id=item.request_id, reason=f"state write failed: {reason}"))
                 self._forget(item.request_id)
                 continue
-            block_start, block_end = resident.state.block_bounds(outcome.block_index)
-            block_done = self.engine.mask_id not in resident.state.canvas[block_start:block_end]
-            results.append(self._result_of(item, record, outcome, block_done or outcome.finished))
+            results.append(self._result_of(item, record, outcome))
             self._trace_request_step(record, item, outcome, len(ready), item.request_id in loaded, started,
                                      duration)
-            await self.events.publish(record, resident.state, outcome, block_done, item.threshold)
+            await self.events.publish(record, resident.state, outcome, item.threshold)
             if outcome.finished:
                 self._forget(item.request_id)
             else:
@@ -436,12 +434,12 @@ class WorkerService:
         rid_to_problem.update({rid: "state missing in Redis" for rid in save.missing_ids})
         return rid_to_stored, rid_to_problem
 
-    def _result_of(self, item: StepItem, stored: RequestRecord, outcome: StepResult,
-                   block_done: bool) -> RequestStepResult:
+    def _result_of(self, item: StepItem, stored: RequestRecord, outcome: StepResult) -> RequestStepResult:
         return RequestStepResult(
             request_id=item.request_id, kind=outcome.kind, block_index=outcome.block_index,
             committed_positions=list(outcome.committed_positions),
-            committed_token_ids=list(outcome.committed_token_ids), block_done=block_done,
+            committed_token_ids=list(outcome.committed_token_ids),
+            block_done=outcome.block_done or outcome.finished,
             finished=outcome.finished, num_steps=stored.num_steps, num_masked=outcome.num_masked,
             confidence=wire_confidence(outcome.confidence), threshold=item.threshold,
             state_version=stored.version, blocks_skipped=outcome.blocks_skipped,
