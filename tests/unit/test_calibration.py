@@ -100,6 +100,7 @@ def test_a_bundle_for_another_gpu_model_is_refused(recalibrated):
 
 
 def test_the_worker_announces_its_calibrations_profile(recalibrated):
+    from services.worker.engine.fake import ZeroComputeEngine
     from services.worker.service.service import WorkerService
     from services.worker.service.startup import served_calibration, served_profile
 
@@ -107,8 +108,8 @@ def test_the_worker_announces_its_calibrations_profile(recalibrated):
     found = served_calibration(settings)
     profile, online = served_profile(settings, found, engine=None)
     assert profile == str(recalibrated / "calibration" / "profile.json") and online is None
-    # a stand-in engine (no model): a heartbeat reads only the engine's name
-    worker = WorkerService(settings, SimpleNamespace(name="uncal"), nc=None, store=None, instance_id="i0",
+    # the zero-compute fake engine (no model): the heartbeat's profile is the worker's, not the engine's
+    worker = WorkerService(settings, ZeroComputeEngine(), nc=None, store=None, instance_id="i0",
                            profile=profile, online=online)
     beat = codec.decode(WorkerHeartbeat, worker.heartbeats.encoded())
     assert beat.profile == profile and beat.measured is None

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 
 from services.reconfigurator.core.spec import uniform_cluster
 from services.reconfigurator.core.stage1 import solve_stage1
+from services.worker.engine.fake import ZeroComputeEngine
 from services.worker.service.service import WorkerService
 from shared.profiles import LatencyProfile, ProfileError
 from shared.settings import WorkerSettings
@@ -136,6 +136,6 @@ def test_the_reconfigurator_plans_every_degree_from_it(measured):
 
 def test_a_worker_paced_to_it_times_tp2_steps_from_the_derived_curves(measured):
     settings = WorkerSettings(pace_profile=str(MEASURED), tp=2)
-    worker = WorkerService(settings, SimpleNamespace(name="toy"), nc=None, store=None, instance_id="i0")
+    worker = WorkerService(settings, ZeroComputeEngine(), nc=None, store=None, instance_id="i0")
     assert worker.pace.batch_step_s(2, [], 4) == pytest.approx(measured.beta(2, 4))
     assert worker.pace.beta(2, 4) < worker.pace.beta(1, 4)

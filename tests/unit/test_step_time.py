@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from services.worker.engine.fake import ZeroComputeEngine
 from services.worker.service.service import WorkerService
 from shared.messages.base import CacheMode, StepKind
 from shared.profiles import LatencyProfile
@@ -41,7 +42,7 @@ def _paced_wait(monkeypatch, profile_path, kinds: list[StepKind], modes: list[Ca
     """What the paced worker sleeps for a step that took no time (``asyncio.sleep`` captured)."""
     settings = WorkerSettings(pace_profile=str(profile_path), pace_context_tokens=context_tokens,
                               profile=str(profile_path))
-    worker = WorkerService(settings, SimpleNamespace(name="toy"), nc=None, store=None, instance_id="i0")
+    worker = WorkerService(settings, ZeroComputeEngine(), nc=None, store=None, instance_id="i0")
     states = [SimpleNamespace(prompt_ids=[0] * 40, gen_length=60, cache_mode=m) for m in modes]
     outcomes = [SimpleNamespace(kind=k) for k in kinds]
     waits = []

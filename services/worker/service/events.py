@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from services.worker.engine.protocol import Engine
 from services.worker.engine.request import ConfidenceStats, RequestState, StepResult
 from shared.generation import stream_release
 from shared.messages import codec
@@ -24,7 +25,7 @@ class EventPublisher:
 
     nc: object  # the worker's NATS connection
     subjects: Subjects
-    engine: object  # the worker's engine: its ``eos_id``, ``mask_id`` and ``decode``
+    engine: Engine  # the worker's engine: its ``eos_id``, ``mask_id`` and ``decode``
     instance_id: str
     clock: Callable[[], float]  # the worker's unix time (a finished request's latency without ``finished_at``)
     max_payload_bytes: int

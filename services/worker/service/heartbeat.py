@@ -145,12 +145,10 @@ class Heartbeats:
             ttl_s=settings.lease_ttl_s, sent_at=service.clock(), started_at=service.started_at,
             metrics_port=metrics_server.server_port if metrics_server is not None else 0,
             shard=service.shard, seq=seq, step_running_s=service.step_running_s(),
-            kv=self._kv(), measured=service.online.wire() if service.online is not None else None,
+            kv=kv_beat(service.engine.kv_memory(), settings.max_batch),
+            measured=service.online.wire() if service.online is not None else None,
         )
 
-    def _kv(self) -> KVMemoryBeat | None:
-        memory_of = getattr(self.service.engine, "kv_memory", None)
-        return None if memory_of is None else kv_beat(memory_of(), self.service.settings.max_batch)
 
     def _live_bytes(self) -> bytes | None:
         """The beat thread's next heartbeat, or None while the worker's loop is wedged outside any step: not
@@ -181,9 +179,12 @@ class Heartbeats:
             await asyncio.sleep(interval_s)
 
 
-def kv_beat(memory: KVMemory, max_batch: int) -> KVMemoryBeat:
-    """The KV pool as the heartbeat reports it (plain counter reads: safe from the beat thread)."""
+def kv_beat(memory: KVMemory, max_batch: int) -> KVMemoryBeat | None:
+    """The KV pool as the heartbeat reports it (plain counter reads: safe from the beat thread); None for
+    an engine that keeps none (no bytes per position: the zero-compute fake)."""
     m = memory
+    if not m.bytes_per_token:
+        return None
     return KVMemoryBeat(
         budget_bytes=m.budget_bytes, pool_bytes=m.pool_bytes, used_bytes=m.used_bytes, free_bytes=m.free_bytes,
         used_tokens=m.used_tokens, free_tokens=m.free_bytes // m.bytes_per_token if m.bytes_per_token else 0,

@@ -34,6 +34,7 @@ from contextlib import nullcontext
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
+from services.worker.engine.protocol import Engine
 from services.worker.engine.request import StepResult
 from services.worker.kv.cache import KVBudgetExceeded
 from services.worker.service.events import EventPublisher, wire_confidence
@@ -73,12 +74,13 @@ def default_instance_id(settings: WorkerSettings) -> str:
 
 
 class WorkerService:
-    """One instance. ``engine`` is a ``DLMEngine`` (or the tensor-parallel one) already loaded."""
+    """One instance. ``engine`` is a ``DLMEngine`` (or the tensor-parallel one, or the zero-compute fake)
+    already loaded."""
 
     def __init__(
         self,
         settings: WorkerSettings,
-        engine,
+        engine: Engine,
         nc,
         store: StateStore,
         *,
@@ -134,10 +136,11 @@ class WorkerService:
         self._drain_expired = False  # drain_timeout_s passed: leave between two steps
         self._subscription = None
         self._tasks: list[asyncio.Task] = []
-        self.metrics = WorkerMetrics(self.instance_id, model_name=getattr(engine, "name", ""))
+        self.metrics = WorkerMetrics(self.instance_id, model_name=engine.name)
         self.metrics_server = None  # the /metrics HTTP server (DLS_METRICS_PORT; None: off)
         self._tracer = tracer("dls.worker")
-        # engines declare ``blocking = False`` when a step costs next to nothing (no model)
+        # engines declare ``blocking = False`` when a step costs next to nothing (no model); NOTE: read with
+        # a default until TensorParallelEngine declares it as ``Engine`` says every engine does
         self._offload = bool(getattr(engine, "blocking", True))
 
     @property
@@ -280,9 +283,7 @@ class WorkerService:
                 continued = True
             self.metrics.resident.set(len(self.resident))
             self._trim_kv()
-            kv = getattr(self.engine, "kv_cache_bytes", None)
-            if kv is not None:
-                self.metrics.kv_used.set(kv)
+            self.metrics.kv_used.set(self.engine.kv_memory().used_bytes)
         self._check_drained()
 
     def _listening(self) -> bool:
@@ -366,8 +367,7 @@ class WorkerService:
     def _within_kv_budget(self, ready: Ready, failures: list[StepFailure]) -> Ready:
         """The (item, local copy) pairs whose step fits the KV budget; the others fail as ``KV_FULL``
         (their state is unchanged: the scheduler puts them back in its queue)."""
-        overflow = getattr(self.engine, "kv_overflow", None)
-        over = set(overflow([(r.state, item.threshold) for item, r in ready])) if overflow else set()
+        over = set(self.engine.kv_overflow([(r.state, item.threshold) for item, r in ready]))
         if not over:
             return ready
         memory = self.engine.kv_memory()
@@ -460,9 +460,8 @@ class WorkerService:
 
     def _trim_kv(self) -> None:
         """Holding no request: give the KV pool's memory back (it grows again with the next burst)."""
-        trim = getattr(self.engine, "trim_kv", None)
-        if trim is not None and not self.resident:
-            freed = trim()
+        if not self.resident:
+            freed = self.engine.trim_kv()
             if freed:
                 logger.debug("worker %s: KV pool trimmed, %d bytes freed", self.instance_id, freed)
 

@@ -13,6 +13,7 @@ import os
 import time
 from collections.abc import Callable
 
+from services.worker.engine.protocol import Engine
 from services.worker.service.online_profile import OnlineProfile
 from services.worker.service.service import WorkerService
 from shared.calibration import Calibration, of_service, uncalibrated_message
@@ -24,10 +25,10 @@ from shared.telemetry import setup_tracing, shutdown_tracing
 logger = logging.getLogger("dls.worker")
 
 
-def make_engine(settings: WorkerSettings):
+def make_engine(settings: WorkerSettings) -> Engine:
     """The instance's engine: a plain ``DLMEngine`` at TP 1, a ``TensorParallelEngine`` above; the model's
     tokenizer code runs only with ``DLS_TRUST_REMOTE_CODE`` (as in the gateway)."""
-    from services.worker.parallel.tp_engine import make_engine as make_any_engine
+    from services.worker.parallel.build import make_engine as make_any_engine
 
     return make_any_engine(settings.model_dir, settings.tp, settings.device,
                            trust_remote_code=settings.trust_remote_code)
@@ -66,7 +67,7 @@ def served_calibration(settings: WorkerSettings) -> Calibration | None:
 
 
 def served_profile(settings: WorkerSettings, calibration: Calibration | None,
-                   engine) -> tuple[str, OnlineProfile | None]:
+                   engine: Engine) -> tuple[str, OnlineProfile | None]:
     """(the calibration's profile, None) or, for a worker that names no profile of its own and serves an
     uncalibrated model (or one whose profile was measured on another kind of device or GPU: refused,
     said), ("", the step times measured now, kept current as it serves)."""
@@ -82,7 +83,7 @@ def served_profile(settings: WorkerSettings, calibration: Calibration | None,
     return "", OnlineProfile.measured(engine, settings.max_batch)
 
 
-async def warm_up(engine) -> None:
+async def warm_up(engine: Engine) -> None:
     """The engine's first forwards (and whatever it prepares then), in a thread, before the worker
     heartbeats READY: the first request served must not pay for them."""
     started = time.perf_counter()
@@ -133,8 +134,7 @@ async def serve(settings: WorkerSettings) -> None:
     finally:
         await nc.drain()
         await store.close()
-        if hasattr(engine, "close"):
-            engine.close()
+        engine.close()
         overruns = (f", {service.pace_overruns} over their paced time (by {service.pace_overrun_s:.1f} s in all, "
                     f"{service.paced_s:.1f} s paced)") if service.pace is not None else ""
         logger.info("worker %s stopped after %d steps%s", service.instance_id, service.num_steps, overruns)
