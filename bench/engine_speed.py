@@ -161,7 +161,7 @@ def run_engine(engine: DLMEngine, prompts, args, tag: str) -> EngineRun:
     """Decode the first ``args.blocks`` blocks of every request (dual cache) and count what moved."""
     states = [engine.new_request(f"{tag}{i}", p, args.gen_length, args.block_length, CacheMode.DUAL, ignore_eos=True)
               for i, p in enumerate(prompts)]
-    per_token = engine.kv_cache.bytes_per_token
+    per_token = engine.kv_memory().bytes_per_token
     run = EngineRun()
     active = [(s, args.threshold) for s in states]
     _sync(args.device)
@@ -304,7 +304,7 @@ def measure(args: argparse.Namespace) -> dict:
         "kv_bytes_copied_per_cache_step": kv.get("copied"),
         "kv_bytes_written_per_cache_step": kv.get("written"),
         "kv_bytes_by_batch": kv_by_batch,
-        "kv_bytes_per_token": engines["engine"].kv_cache.bytes_per_token,
+        "kv_bytes_per_token": engines["engine"].kv_memory().bytes_per_token,
         # the engine's request bookkeeping per step (planning, host arrays, applying commits), outside the
         # model runner's forward: host time a GPU's speed does not shorten
         "engine_bookkeeping_ms_per_step_by_batch": bookkeeping,
@@ -337,7 +337,7 @@ def write_profile(engine: DLMEngine, args: argparse.Namespace, prompt_length: in
         "cache_mode": "dual",
         "attention": engine.attention.value,
         "cuda_graphs": engine.runner.graphs_enabled,
-        "kv_bytes_per_token": engine.kv_cache.bytes_per_token,
+        "kv_bytes_per_token": engine.kv_memory().bytes_per_token,
         "measured_on": (f"{_device_name(args.device)}, {platform.python_implementation()} "
                         f"{platform.python_version()}, torch {torch.__version__}, attention {engine.attention.value}, "
                         f"CUDA graphs {'on' if engine.runner.graphs_enabled else 'off'}, "

@@ -52,7 +52,7 @@ def run(session: Session, stage_key: dict) -> dict:
                  f"{context} tokens (canvas {engine.default_gen_length} + {prompt_tokens}: {anchor}), median of "
                  f"{setup.repeats} repeats")
     curves_by_tp: dict[int, Curves] = {}
-    kv_bytes_per_token = engine.kv_cache.bytes_per_token
+    kv_bytes_per_token = engine.kv_memory().bytes_per_token
     started = time.monotonic()
     total = len(setup.tp) * len(sizes)
     for n, tp in enumerate(setup.tp):

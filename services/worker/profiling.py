@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from services.worker.engine.engine import DLMEngine
-from services.worker.kv.cache import KVBudgetExceeded
+from services.worker.kv.pages import KVBudgetExceeded
 from shared.messages.base import CacheMode, StepKind
 
 KINDS = ("recompute_ms", "cache_ms", "full_ms")
@@ -138,7 +138,6 @@ def profile_document(engine: DLMEngine, model_name: str, device: str, context_to
                      curves_by_tp: dict[int, Curves], kv_bytes_per_token: int, notes: str) -> dict:
     """The profile file's contents (``shared/profiles.py``) for curves measured with ``engine`` (any TP
     degree's: its lengths, dtype and attention backend are every degree's)."""
-    runner = getattr(engine, "runner", None)
     return {
         "model": model_name,
         "device": device_name(device),
@@ -149,7 +148,8 @@ def profile_document(engine: DLMEngine, model_name: str, device: str, context_to
         "block_length": engine.default_block_length,
         "gen_length": engine.default_gen_length,
         "kv_bytes_per_token": kv_bytes_per_token,
-        **({"attention": engine.attention.value, "cuda_graphs": runner.graphs_enabled} if runner else {}),
+        "attention": engine.attention.value,
+        "cuda_graphs": engine.runner.graphs_enabled,
         "tp": {str(tp): curves.ms for tp, curves in sorted(curves_by_tp.items())},
         "batch_monotone": "min-over-larger",  # a noisy dip at some batch is smoothed, and said (shared/profiles.py)
         "notes": notes,
@@ -168,4 +168,4 @@ def profile_model(model_dir: str, device: str, sizes: list[int], context_tokens:
     if curves.bounded_by_memory:
         notes += f"; batch {curves.bounded_by_memory} and larger did not fit in device memory"
     return profile_document(engine, Path(model_dir).name, device, context_tokens, {1: curves},
-                            engine.kv_cache.bytes_per_token, notes)
+                            engine.kv_memory().bytes_per_token, notes)

@@ -47,7 +47,7 @@ def offline(problems):
     engine = DLMEngine.from_pretrained(MODEL_DIR)
     contexts = [len(engine.encode(p.prompt)) + MAX_TOKENS for p in problems]
     answers = [engine.generate(p.prompt, threshold=0.9, max_tokens=MAX_TOKENS).text for p in problems]
-    return answers, contexts, engine.kv_cache.bytes_per_token
+    return answers, contexts, engine.kv_memory().bytes_per_token
 
 
 def _budget_bytes(contexts: list[int], bytes_per_token: int) -> int:

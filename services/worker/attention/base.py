@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from services.worker.attention.layout import KeyLayout, StepLayout
-from services.worker.kv.cache import PagedKVCache
+from services.worker.kv.pool import KVPool
 
 Arrays = dict[str, np.ndarray]  # name -> int64 host array, copied to the device with the step's others
 DeviceArrays = dict[str, torch.Tensor]  # name -> its int64 device view
@@ -28,7 +28,7 @@ DeviceArrays = dict[str, torch.Tensor]  # name -> its int64 device view
 class AttentionImpl(ABC):
     """One backend's attention over one step, for every layer."""
 
-    def __init__(self, layout: StepLayout, cache: PagedKVCache | None, max_keys: int | None = None) -> None:
+    def __init__(self, layout: StepLayout, cache: KVPool | None, max_keys: int | None = None) -> None:
         """``max_keys``: an upper bound on any request's keys to pass the varlen kernels (a CUDA graph
         bakes it in); default: the step's longest."""
         self.layout, self.cache = layout, cache

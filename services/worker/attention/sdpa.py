@@ -18,11 +18,11 @@ import torch.nn.functional as F
 
 from services.worker.attention.base import Arrays, AttentionImpl, DeviceArrays
 from services.worker.attention.layout import KeyLayout, StepLayout
-from services.worker.kv.cache import PagedKVCache
+from services.worker.kv.pool import KVPool
 
 
 class SdpaAttention(AttentionImpl):
-    def __init__(self, layout: StepLayout, cache: PagedKVCache | None, max_keys: int | None = None) -> None:
+    def __init__(self, layout: StepLayout, cache: KVPool | None, max_keys: int | None = None) -> None:
         super().__init__(layout, cache, max_keys)
         self.plan = SdpaPlan.of(layout, cache.num_slots if cache is not None else 0)
 

@@ -19,7 +19,8 @@ from services.worker.attention.base import AttentionImpl
 from services.worker.attention.flex import FlexAttention
 from services.worker.attention.layout import KeyLayout, StepLayout
 from services.worker.attention.sdpa import SdpaAttention
-from services.worker.kv.cache import PagedKVCache
+from services.worker.kv.pages import KVPages
+from services.worker.kv.pool import KVPool
 
 logger = logging.getLogger(__name__)
 
@@ -81,11 +82,13 @@ def kernel_self_test(backend: AttentionBackend, device: torch.device, dtype: tor
         return torch.randn(*shape, generator=generator).to(device=device, dtype=dtype)
 
     page = flash.FLASH_PAGE_SIZE if backend is AttentionBackend.FLASH else 16
-    cache = PagedKVCache(1, kv_heads, head_dim, dtype, device, page_size=page)
+    cache = KVPool(1, kv_heads, head_dim, dtype, device, page_size=page)
+    pages = KVPages(page, cache.bytes_per_token)
     extents = []
     for i, n in enumerate((50, 30, 60)):
-        extents.append(cache.reserve(f"r{i}", n))
-        cache.reserve(f"gap{i}", 20)  # other slots between the requests' extents
+        extents.append(pages.reserve(f"r{i}", n))
+        pages.reserve(f"gap{i}", 20)  # other slots between the requests' extents
+    cache.apply(pages.take_changes())
     cache.pool.copy_(randn(*cache.pool.shape))
     q, k, v = randn(sum(lengths), heads, head_dim), randn(sum(lengths), kv_heads, head_dim), randn(
         sum(lengths), kv_heads, head_dim)

@@ -17,14 +17,14 @@ import torch
 from services.worker.attention.base import Arrays, DeviceArrays
 from services.worker.attention.layout import StepLayout
 from services.worker.attention.select import BACKEND_IMPLS, AttentionBackend
-from services.worker.kv.cache import PagedKVCache
+from services.worker.kv.pool import KVPool
 
 
 class StepAttention:
     """One step's attention for every layer: ``self(layer, q, k, v)`` stores the fresh keys and values
     (``store``) and attends. Built from ``host_arrays`` (on the host) and ``bind`` (device views)."""
 
-    def __init__(self, backend: AttentionBackend, layout: StepLayout, cache: PagedKVCache | None,
+    def __init__(self, backend: AttentionBackend, layout: StepLayout, cache: KVPool | None,
                  max_keys: int | None = None) -> None:
         """``max_keys``: an upper bound on any request's keys to pass the varlen kernels (a CUDA graph
         bakes it in); default: the step's longest."""

@@ -5,8 +5,8 @@ engine can continue a request from it; the only thing an engine keeps locally is
 
 One :meth:`DLMEngine.step` call advances every request in the batch by one denoising step, each with
 its own threshold. Requests may differ in prompt length, generation length, block length, block
-and cache mode, and may join or leave between steps. Internally the batch is split into at most two
-forwards: full-sequence steps (recompute, or every step without cache) and cache steps.
+and cache mode, and may join or leave between steps. The whole batch runs as one forward: full-sequence
+steps (recompute, or every step without cache) and cache steps together.
 
 Approximate KV cache (Fast-dLLM):
 
@@ -40,7 +40,8 @@ the model expects the answer to end (``RequestState.predicted_end``), which the 
 (how many blocks are left to run). That costs the LM head over the rest of the canvas once per block
 (``predict_end=False``: never).
 
-The KV cache is read in place (``services/worker/kv/cache.py``): each cached request owns a
+The KV cache is read in place (``services/worker/kv/``: the page table ``pages.py`` the engine asks,
+the tensor ``pool.py`` the runner writes): each cached request owns a
 contiguous run of pages of one pool, slot ``p`` holding position ``p`` with RoPE applied. A recompute
 step writes the positions later cache steps read (all of them for ``dual``, those before the block
 for ``prefix``); a cache step overwrites its fresh window's slots with the fresh keys and values and
@@ -59,18 +60,16 @@ batch that would overflow with :class:`KVBudgetExceeded` before anything changes
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
-from services.worker.attention.flash import FLASH_PAGE_SIZE
-from services.worker.attention.layout import KeyLayout, StepLayout
-from services.worker.attention.select import AttentionBackend, resolve_backend
-from services.worker.decoding.rule import DecodingRule, cache_window_start, commit_eligible, decoding_rule
-from services.worker.decoding.sampling import MAX_TOP_LOGPROBS, SamplingParams, noise_seed
+from services.worker.attention.layout import KeyLayout
+from services.worker.attention.select import AttentionBackend
+from services.worker.decoding.rule import DecodingRule, decoding_rule
+from services.worker.decoding.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from services.worker.engine.planner import RequestPlan, kv_reservation, place, plan_request, step_traffic
 from services.worker.engine.request import (
     ConfidenceStats,
     EngineError,
@@ -78,91 +77,17 @@ from services.worker.engine.request import (
     RequestState,
     StepResult,
 )
-from services.worker.kv.cache import KVBudgetExceeded as KVBudgetExceeded  # re-exported: what step raises
-from services.worker.kv.cache import PagedKVCache
+from services.worker.kv.pages import KVMemory, KVPages, KVTraffic
 from services.worker.model.dlm import DLMForMaskedDiffusion
-from services.worker.runner.runner import (
-    GRAPH_BUCKETS,
-    ForwardBatch,
-    ModelRunner,
-    SampledRows,
-    StepOutput,
-    TopRows,
-)
+from services.worker.runner.batch import StepOutput, pack_batch
+from services.worker.runner.graphs import GRAPH_BUCKETS
+from services.worker.runner.runner import ModelRunner, choose_attention
 from shared.generation import Answer, canvas_length, stop_length
 from shared.messages.base import CacheMode, StepKind
 from shared.tokenizer import answer_text
 
 if TYPE_CHECKING:
     from services.worker.model.loading import LoadedModel
-
-
-@dataclass(frozen=True)
-class KVMemory:
-    """The KV pool's memory now (bytes and positions; a budget of 0: none)."""
-
-    budget_bytes: int  # the cap (0: none)
-    pool_bytes: int  # allocated now
-    used_bytes: int  # in pages requests hold
-    used_tokens: int  # positions requests hold
-    bytes_per_token: int  # one position, every layer (this engine's heads)
-    page_tokens: int  # positions per page (a request's pages round its positions up to this)
-    num_requests: int  # requests holding pages
-
-    @property
-    def free_bytes(self) -> int:
-        return max(self.budget_bytes - self.used_bytes, 0) if self.budget_bytes else 0
-
-    def capacity_tokens(self, max_batch: int) -> int:
-        """Positions a scheduler may place here, summed over requests, and be sure they fit: the budget
-        less one page's rounding per request of a full batch (0: no budget)."""
-        if not self.budget_bytes:
-            return 0
-        return max(self.budget_bytes // self.bytes_per_token - max_batch * (self.page_tokens - 1), 0)
-
-
-@dataclass(frozen=True)
-class KVTraffic:
-    """KV-cache bytes one forward moved (every layer, this engine's heads)."""
-
-    copied: int = 0  # stored entries copied elsewhere (a gather, or the pool growing)
-    written: int = 0  # fresh keys and values stored
-
-
-@dataclass
-class _Item:
-    """One request's part of a packed forward."""
-
-    state: RequestState
-    threshold: float
-    kind: StepKind
-    block: int
-    fresh_start: int  # absolute position of the first fresh (input) token
-    fresh_ids: list[int]
-    # index into fresh_ids of the output that predicts the block's first position (negative: none does, the
-    # position is committed already: Dream's rule at a cache step)
-    logit_start: int
-    # recompute steps with a cache: positions 0..num_stored-1 are stored (what this block's cache
-    # steps read without recomputing: all for dual, those before the window for prefix)
-    num_stored: int = 0
-    # full forwards of a request that stops at EOS: the outputs of the canvas positions after the block
-    # also go through the LM head, to see where the model expects the EOS (``predicted_end``)
-    num_lookahead: int = 0
-    extent_key: str | None = None  # a no-cache request's transient extent, in a step reading keys from the pool
-
-    @property
-    def block_tokens(self) -> list[int]:
-        start, end = self.state.block_bounds(self.block)
-        return self.state.canvas[start:end]
-
-    @property
-    def block_size(self) -> int:
-        start, end = self.state.block_bounds(self.block)
-        return end - start
-
-    @property
-    def sequence_length(self) -> int:
-        return len(self.state.prompt_ids) + self.state.gen_length
 
 
 def loaded_options(loaded: LoadedModel) -> dict:
@@ -193,16 +118,19 @@ class DLMEngine:
         kv_capacity_tokens: int = 0,
         kv_budget_bytes: int = 0,
         cuda_graphs: bool | None = None,
+        runner: ModelRunner | None = None,
     ) -> None:
         """``attention``: ``auto`` (flash-attn where it runs, else PyTorch's varlen op on CUDA, else
         flex_attention on CUDA, else SDPA), ``flash``, ``torch_varlen``, ``flex`` or ``sdpa``
-        (``services/worker/attention/step.py``). ``cuda_graphs``: replay dual-cache steps from CUDA graphs
-        (``services/worker/runner/runner.py``; default: on CUDA with a varlen kernel; False turns them off).
+        (``services/worker/attention/select.py``). ``cuda_graphs``: replay dual-cache steps from CUDA graphs
+        (``services/worker/runner/graphs.py``; default: on CUDA with a varlen kernel; False turns them off).
         ``kv_page_size``: slots per KV page (flash-attn needs 256; SDPA defaults to 16).
         ``kv_capacity_tokens``: positions the KV pool holds from the start (it grows when full).
         ``kv_budget_bytes``: the most the KV pool may take (0: no cap; ``set_kv_budget`` later).
         ``predict_end``: full forwards also read the canvas after the block, to tell where the answer
-        will end (``RequestState.predicted_end``, a step predictor feature)."""
+        will end (``RequestState.predicted_end``, a step predictor feature).
+        ``runner``: the model runner to step with (a tensor-parallel engine's, which spreads each forward
+        over its ranks); default: one built here from ``attention``, ``kv_page_size`` and ``cuda_graphs``."""
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.default_gen_length = default_gen_length
@@ -215,17 +143,14 @@ class DLMEngine:
         self.eos_id = model.config.eos_token_id
         self.shift = int(getattr(model.config, "logits_shift", 0))
         self.rule = decoding_rule(model.config)  # the family's decoding rule (services/worker/decoding/rule.py)
-        block = model.model.transformer.blocks[0]  # a tensor-parallel shard holds only its own heads
-        backend = resolve_backend(attention, model.device, model.dtype, block.head_dim,
-                                  gqa=block.n_kv_heads != block.n_heads)
-        page_size = kv_page_size or (FLASH_PAGE_SIZE if backend is AttentionBackend.FLASH else 16)
-        if backend is AttentionBackend.FLASH and page_size % FLASH_PAGE_SIZE:
-            raise EngineError(f"flash-attn needs KV pages of a multiple of {FLASH_PAGE_SIZE} slots, got {page_size}")
-        self.kv_cache = PagedKVCache(len(model.model.transformer.blocks), block.n_kv_heads, block.head_dim,
-                                     model.dtype, model.device, page_size, kv_capacity_tokens, kv_budget_bytes)
-        graphs = model.device.type == "cuda" if cuda_graphs is None else cuda_graphs
-        self.runner = ModelRunner(model, backend, self.kv_cache, cuda_graphs=graphs)
-        self._cache_blocks: dict[str, int] = {}  # request id -> the block whose start refreshed its cache
+        if runner is None:
+            backend, page_size = choose_attention(model, attention, kv_page_size)
+            graphs = model.device.type == "cuda" if cuda_graphs is None else cuda_graphs
+            runner = ModelRunner(model, backend, page_size, cuda_graphs=graphs)
+        self.runner = runner
+        pool = runner.kv_pool
+        self.kv_pages = KVPages(pool.page_size, pool.bytes_per_token, kv_capacity_tokens, kv_budget_bytes)
+        self.runner.change_pool(self.kv_pages.take_changes())
         self.last_step_traffic: dict[StepKind, KVTraffic] = {}  # kind -> bytes its forward moved, last step
 
     @classmethod
@@ -248,8 +173,6 @@ class DLMEngine:
     @attention.setter
     def attention(self, backend: AttentionBackend) -> None:
         self.runner.attention = backend
-        self.runner.graphs_enabled = self.runner.graphs_enabled and backend in (AttentionBackend.FLASH,
-                                                                                AttentionBackend.TORCH_VARLEN)
 
     # --- requests -------------------------------------------------------------------------------
 
@@ -294,63 +217,57 @@ class DLMEngine:
 
     def drop(self, request_id: str) -> None:
         """Forget a request's cache (it finished, or moved to another instance); its pages are reused."""
-        self._cache_blocks.pop(request_id, None)
-        self.kv_cache.release(request_id)
+        self.kv_pages.forget(request_id)
 
     def has_cache(self, request_id: str) -> bool:
-        return request_id in self._cache_blocks
-
-    @property
-    def kv_cache_bytes(self) -> int:
-        """Bytes of KV pages held by requests' caches (the pool may hold more, free)."""
-        return self.kv_cache.reserved_bytes
+        return self.kv_pages.cached_block(request_id) is not None
 
     def set_kv_budget(self, budget_bytes: int) -> None:
         """Cap the KV pool; where CUDA graphs run, the pool is allocated to the budget now, so that it
         never moves under the graphs (a pool that grows is a new tensor: every graph recaptured)."""
-        self.kv_cache.set_budget(budget_bytes)
+        self.kv_pages.set_budget(budget_bytes)
         if self.runner.graphs_enabled and budget_bytes:
-            self.kv_cache.preallocate()
+            self.kv_pages.preallocate()
+            self.runner.change_pool(self.kv_pages.take_changes())
 
     def kv_memory(self) -> KVMemory:
         """The pool's memory (plain counter reads: safe from another thread while a step runs)."""
-        cache = self.kv_cache
-        return KVMemory(cache.budget_bytes, cache.capacity_bytes, cache.reserved_bytes, cache.held_tokens,
-                        cache.bytes_per_token, cache.page_size, len(self._cache_blocks))
+        pages = self.kv_pages
+        return KVMemory(pages.budget_bytes, self.runner.kv_pool.capacity_bytes, pages.held_bytes, pages.held_tokens,
+                        pages.bytes_per_token, pages.page_size, pages.num_cached)
 
     def trim_kv(self) -> int:
-        """Give the pool's memory back when no request holds pages; the bytes freed."""
-        return self.kv_cache.trim()
+        """Give the pool's memory back when no request holds pages; the bytes freed. Never where CUDA
+        graphs run: they read the pool where it is (trimming it would recapture every graph)."""
+        if self.runner.graphs_enabled or not self.kv_pages.trim():
+            return 0
+        before = self.runner.kv_pool.capacity_bytes
+        self.runner.change_pool(self.kv_pages.take_changes())
+        return before - self.runner.kv_pool.capacity_bytes
 
     def kv_overflow(self, batch: list[tuple[RequestState, float]]) -> list[str]:
         """Requests of ``batch`` whose next step would take KV pages beyond the budget, taken in batch
         order (the first ones fit); empty with no budget."""
-        cache = self.kv_cache
-        left = cache.budget_pages_left
+        pages = self.kv_pages
+        left = pages.budget_pages_left
         if left is None:
             return []
         over = []
         for state, _ in batch:
-            need = self._kv_request(state)
+            need = kv_reservation(state, self.next_step_kind(state))
             if need is None:
                 continue
-            pages = cache.pages_needed([need])
-            if pages > left:
+            needed = pages.pages_needed([need])
+            if needed > left:
                 over.append(state.request_id)
             else:
-                left -= pages
+                left -= needed
         return over
-
-    def _kv_request(self, state: RequestState) -> tuple[str, int] | None:
-        """(request id, positions) the next step of ``state`` reserves KV for; None: it reserves none."""
-        if state.finished or state.cache_mode is CacheMode.NONE or self.next_step_kind(state) is not StepKind.RECOMPUTE:
-            return None
-        return state.request_id, len(state.prompt_ids) + state.gen_length
 
     def next_step_kind(self, state: RequestState) -> StepKind:
         if state.cache_mode is CacheMode.NONE:
             return StepKind.RECOMPUTE
-        fresh = self._cache_blocks.get(state.request_id) == state.current_block(self.mask_id)
+        fresh = self.kv_pages.cached_block(state.request_id) == state.current_block(self.mask_id)
         return StepKind.CACHE if fresh else StepKind.RECOMPUTE
 
     # --- the step -------------------------------------------------------------------------------
@@ -358,158 +275,51 @@ class DLMEngine:
     @torch.no_grad()
     def step(self, batch: list[tuple[RequestState, float]]) -> list[StepResult]:
         """Advance every (state, threshold) by one step, in one forward; states are updated in place."""
-        items = [self._plan(state, tau) for state, tau in batch]
-        copied = self.kv_cache.bytes_copied
+        plans = [self._plan(state, tau) for state, tau in batch]
+        pages = self.kv_pages
+        copied = pages.bytes_copied
         # every KV reservation the batch makes, before anything changes (KVBudgetExceeded: none does)
-        self.kv_cache.make_room([need for state, _ in batch if (need := self._kv_request(state)) is not None])
-        keys = KeyLayout.FRESH if all(it.kind is StepKind.RECOMPUTE for it in items) else KeyLayout.POOL
-        transient = self._place(items, keys)
+        pages.make_room([need for plan in plans if (need := kv_reservation(plan.state, plan.kind)) is not None])
+        keys = KeyLayout.FRESH if all(plan.kind is StepKind.RECOMPUTE for plan in plans) else KeyLayout.POOL
+        transient = place(plans, keys, pages)
         try:
-            forward = self._forward_batch(items, keys)
+            dual_cache = all(p.kind is StepKind.CACHE and p.state.cache_mode is CacheMode.DUAL for p in plans)
+            forward = pack_batch(plans, keys, self.rule, self.mask_id, dual_cache, pages.take_changes())
             output = self.runner.forward(forward)
         finally:
-            for key in transient:
-                self.kv_cache.release(key)
-        self._note_traffic(items, keys, self.kv_cache.bytes_copied - copied)
-        results: dict[str, StepResult] = {}  # request id -> result
-        row, ahead = 0, forward.num_block_rows  # each item's first block row, and lookahead row
-        for item in items:
-            if item.kind is StepKind.RECOMPUTE and item.state.cache_mode is not CacheMode.NONE:
-                self._cache_blocks[item.state.request_id] = item.block
-            n = item.block_size
-            if item.kind is StepKind.RECOMPUTE and self.predict_end and item.state.stops_at_eos(self.stop_at_eos):
+            for request_id in transient:
+                pages.release_transient(request_id)
+        self.last_step_traffic = step_traffic(plans, pages.bytes_copied - copied, pages.bytes_per_token)
+        results: list[StepResult | None] = [None] * len(plans)
+        row, ahead = 0, forward.num_block_rows  # each plan's first block row, and lookahead row
+        for i in forward.order:  # the batch's order: its rows lie in it
+            plan = plans[i]
+            if plan.caching:
+                pages.note_cached(plan.state.request_id, plan.block)
+            n = plan.block_size
+            if plan.kind is StepKind.RECOMPUTE and self._predicts_end(plan.state):
                 # where the request expects its EOS: its block rows and the lookahead rows after them
-                self._predict_end(item, output.tokens[row : row + n] + output.tokens[ahead : ahead + item.num_lookahead])
-                ahead += item.num_lookahead
-            results[item.state.request_id] = self._commit(item, output, row)
+                self._predict_end(plan, output.tokens[row : row + n] + output.tokens[ahead : ahead + plan.num_lookahead])
+                ahead += plan.num_lookahead
+            results[i] = self._commit(plan, output, row)
             row += n
-        return [results[state.request_id] for state, _ in batch]
+        return results
 
-    def _plan(self, state: RequestState, threshold: float) -> _Item:
-        """What ``state``'s next step runs (no side effects: the tensor-parallel engine validates with it)."""
+    def _predicts_end(self, state: RequestState) -> bool:
+        """Whether full forwards of ``state`` tell where its answer ends (``predicted_end``)."""
+        return self.predict_end and state.stops_at_eos(self.stop_at_eos)
+
+    def _plan(self, state: RequestState, threshold: float) -> RequestPlan:
+        """What ``state``'s next step runs (no side effects: a bad request is refused before anything changes)."""
         if state.finished:
             raise EngineError(f"request {state.request_id} is already finished")
         if not 0.0 <= threshold <= 1.0:
             raise EngineError(f"threshold {threshold} is outside [0, 1]")
         self._check_options(state)
-        kind, block = self.next_step_kind(state), state.current_block(self.mask_id)
-        sequence = state.prompt_ids + state.canvas
-        prompt_len = len(state.prompt_ids)
-        start, end = state.block_bounds(block)
-        predicting = prompt_len + start - self.shift  # the output predicting the block's first position
-        window_start = cache_window_start(self.rule, prompt_len + start, self.shift)  # a cache step's first row
-        if kind is StepKind.RECOMPUTE:
-            stored = {CacheMode.NONE: 0, CacheMode.PREFIX: window_start, CacheMode.DUAL: len(sequence)}
-            ahead = state.gen_length - end if self.predict_end and state.stops_at_eos(self.stop_at_eos) else 0
-            return _Item(state, threshold, kind, block, 0, sequence, predicting, stored[state.cache_mode], ahead)
-        window_end = prompt_len + (end if state.cache_mode is CacheMode.DUAL else state.gen_length)
-        # Dream's rule starts the window at the block: its first position (committed at the block's first
-        # forward) has no output in the window (logit_start < 0: never read)
-        return _Item(state, threshold, kind, block, window_start, sequence[window_start:window_end],
-                     predicting - window_start)
+        return plan_request(state, threshold, self.next_step_kind(state), state.current_block(self.mask_id),
+                            self.rule, self.shift, self._predicts_end(state))
 
-    def _place(self, items: list[_Item], keys: KeyLayout) -> list[str]:
-        """Reserve the KV extents the step writes (recompute steps with a cache; with keys read from the
-        pool, a transient extent per no-cache request too), and order the items as the pool holds them
-        (the torch_varlen kernel reads keys at increasing offsets); the transient extents' keys."""
-        self.runner.prepare()
-        caching = [it for it in items if it.kind is StepKind.RECOMPUTE and it.state.cache_mode is not CacheMode.NONE]
-        for it in caching:  # all first: a reservation may compact the pool, moving the others' pages
-            self.kv_cache.reserve(it.state.request_id, it.sequence_length)
-        transient = []
-        if keys is KeyLayout.POOL:
-            for it in items:
-                if it.state.cache_mode is CacheMode.NONE:
-                    key = f"<step>{it.state.request_id}"
-                    self.kv_cache.reserve_transient(key, it.sequence_length)
-                    it.extent_key = key
-                    transient.append(key)
-                if it.kind is StepKind.RECOMPUTE:
-                    it.num_stored = it.sequence_length  # its own attention reads them from the pool
-            items.sort(key=lambda it: self.kv_cache.extent(it.extent_key or it.state.request_id).first_page)
-        return transient
-
-    def _forward_batch(self, items: list[_Item], keys: KeyLayout) -> ForwardBatch:
-        """The step as the model runner takes it (host arrays, built once)."""
-        q_lengths = [len(it.fresh_ids) for it in items]
-        q_starts = np.concatenate(([0], np.cumsum(q_lengths)[:-1])).astype(np.int64)
-        total = int(sum(q_lengths))
-        ids = np.fromiter((t for it in items for t in it.fresh_ids), dtype=np.int64, count=total)
-        first = np.repeat(np.array([it.fresh_start for it in items], dtype=np.int64) - q_starts, q_lengths)
-        positions = np.arange(total, dtype=np.int64) + first
-        layout, write_slots, write_rows = self._keys_and_writes(items, keys, q_lengths, q_starts, positions)
-        block_sizes = [it.block_size for it in items]
-        block_rows = np.concatenate([np.maximum(np.arange(q + it.logit_start, q + it.logit_start + n), q)
-                                     for it, q, n in zip(items, q_starts, block_sizes, strict=True)])
-        lookahead = [np.arange(q + it.logit_start + n, q + it.logit_start + n + it.num_lookahead)
-                     for it, q, n in zip(items, q_starts, block_sizes, strict=True) if it.num_lookahead]
-        eligible, thresholds, grid, sampled, top = self._commit_inputs(items, block_sizes)
-        graphable = (keys is KeyLayout.POOL and all(it.kind is StepKind.CACHE and it.state.cache_mode is CacheMode.DUAL
-                                                    for it in items)
-                     and len(set(q_lengths)) == 1 and len(set(block_sizes)) == 1)
-        return ForwardBatch(
-            ids=ids, positions=positions, layout=layout,
-            logit_rows=np.concatenate([block_rows, *lookahead]), num_block_rows=int(sum(block_sizes)),
-            eligible=eligible, thresholds=thresholds, grid=grid,
-            max_position=int(max(it.fresh_start + len(it.fresh_ids) for it in items)) - 1,
-            write_slots=write_slots, write_rows=write_rows, sampled=sampled, top=top,
-            graph_window=q_lengths[0] if graphable else 0, block_length=block_sizes[0] if graphable else 0,
-            inclusive=self.rule.inclusive,
-        )
-
-    def _keys_and_writes(self, items: list[_Item], keys: KeyLayout, q_lengths: list[int], q_starts: np.ndarray,
-                         positions: np.ndarray):
-        """Where each item's keys are (the layout) and which fresh rows go to which slots (None: every
-        row, or no slots: nothing stored)."""
-        page = self.kv_cache.page_size
-        if keys is KeyLayout.POOL:  # every row to its position's slot; keys read from each extent
-            firsts = [self.kv_cache.extent(it.extent_key or it.state.request_id).first_slot(page) for it in items]
-            layout = StepLayout(tuple(q_lengths), keys, tuple(firsts), tuple(it.sequence_length for it in items))
-            return layout, positions + np.repeat(firsts, q_lengths), None
-        stored = [(int(q), self.kv_cache.extent(it.state.request_id).first_slot(page), it.num_stored)
-                  for it, q in zip(items, q_starts, strict=True) if it.num_stored]
-        if not stored:
-            return StepLayout(tuple(q_lengths), keys), None, None
-        rows = np.concatenate([np.arange(q, q + n) for q, _, n in stored])
-        slots = np.concatenate([np.arange(s, s + n) for _, s, n in stored])
-        return StepLayout(tuple(q_lengths), keys), slots, None if len(rows) == sum(q_lengths) else rows
-
-    def _commit_inputs(self, items: list[_Item], block_sizes: list[int]):
-        """What the commit rule reads: which block rows may commit (still masked; Dream's rule: only a
-        block's first position at the block's first forward), each row's threshold, each item's rows
-        (``grid``), and the items that draw or want their top candidates."""
-        num_rows = int(sum(block_sizes))
-        row_starts = np.concatenate(([0], np.cumsum(block_sizes)[:-1])).tolist()
-        masked = np.fromiter((t == self.mask_id for it in items for t in it.block_tokens), dtype=bool, count=num_rows)
-        eligible = commit_eligible(self.rule, masked, row_starts, block_sizes)
-        thresholds = np.repeat(np.array([it.threshold for it in items], dtype=np.float64), block_sizes)
-        grid = np.full((len(items), max(block_sizes)), num_rows, dtype=np.int64)
-        sampled, top = [], []
-        for i, (it, start, n) in enumerate(zip(items, row_starts, block_sizes, strict=True)):
-            grid[i, :n] = np.arange(start, start + n)
-            state = it.state
-            if not state.sampling.greedy:
-                seed = noise_seed(state.sampling.seed, state.request_id, state.num_steps)
-                sampled.append(SampledRows(start, start + n, state.sampling, seed))
-            if state.num_top_logprobs:
-                top.append(TopRows(start, start + n, state.num_top_logprobs))
-        return eligible, thresholds, grid, sampled, top
-
-    def _note_traffic(self, items: list[_Item], keys: KeyLayout, copied: int) -> None:
-        """``last_step_traffic``: per step kind, the cache bytes its requests stored and the bytes the
-        pool copied (growing or compacting, which only recompute steps' reservations do)."""
-        per_token = self.kv_cache.bytes_per_token
-        self.last_step_traffic = {}
-        for kind in (StepKind.RECOMPUTE, StepKind.CACHE):
-            group = [it for it in items if it.kind is kind]
-            if not group:
-                continue
-            stored = sum(it.num_stored if kind is StepKind.RECOMPUTE else len(it.fresh_ids)
-                         for it in group if it.state.cache_mode is not CacheMode.NONE)
-            moved = copied if kind is StepKind.RECOMPUTE or not any(it.kind is StepKind.RECOMPUTE for it in items) else 0
-            self.last_step_traffic[kind] = KVTraffic(moved, stored * per_token)
-
-    def _predict_end(self, item: _Item, tokens: list[int]) -> None:
+    def _predict_end(self, item: RequestPlan, tokens: list[int]) -> None:
         """``predicted_end``: the first still-masked position of the block or after it whose candidate
         is EOS (the mask token excluded), else the canvas end."""
         start, canvas = item.state.block_bounds(item.block)[0], item.state.canvas
@@ -517,7 +327,7 @@ class DLMEngine:
                                          if t == self.eos_id and canvas[start + i] == self.mask_id),
                                         item.state.gen_length)
 
-    def _commit(self, item: _Item, output: StepOutput, row: int) -> StepResult:
+    def _commit(self, item: RequestPlan, output: StepOutput, row: int) -> StepResult:
         """Apply the step's commits to ``item``'s canvas (its block rows start at ``row``)."""
         state = item.state
         start, end = state.block_bounds(item.block)
@@ -537,7 +347,7 @@ class DLMEngine:
             state.canvas[pos] = token
         state.num_steps += 1
         eos_at = [p for p, t in committed if t == self.eos_id]
-        if eos_at and self.predict_end and state.stops_at_eos(self.stop_at_eos):  # the answer ends there or before
+        if eos_at and self._predicts_end(state):  # the answer ends there or before
             known = state.gen_length if state.predicted_end is None else state.predicted_end
             state.predicted_end = min(*eos_at, known)
         skipped = self._finish_if_done(state, start, end)
@@ -605,6 +415,7 @@ class DLMEngine:
 
     def close(self) -> None:
         """Give back what the engine holds beyond its memory (a tensor-parallel engine's ranks). Idempotent."""
+        self.runner.close()
 
     def __enter__(self) -> DLMEngine:
         return self

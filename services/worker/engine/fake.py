@@ -9,8 +9,8 @@ versioned writes, events, results) is real, so what a benchmark measures is the 
 from __future__ import annotations
 
 from services.worker.decoding.sampling import SamplingParams
-from services.worker.engine.engine import KVMemory
 from services.worker.engine.request import ConfidenceStats, EngineError, RequestState, StepResult
+from services.worker.kv.pages import KVMemory
 from shared.generation import Answer
 from shared.messages.base import CacheMode, StepKind
 

@@ -15,8 +15,8 @@ from shared.messages.base import CacheMode, StepKind
 
 if TYPE_CHECKING:
     from services.worker.decoding.sampling import SamplingParams
-    from services.worker.engine.engine import KVMemory
     from services.worker.engine.request import RequestState, StepResult
+    from services.worker.kv.pages import KVMemory
     from shared.generation import Answer
 
 

@@ -30,7 +30,7 @@ from shared.messages.control import KVMemory as KVMemoryBeat
 from shared.messages.control import WorkerHeartbeat
 
 if TYPE_CHECKING:
-    from services.worker.engine.engine import KVMemory
+    from services.worker.kv.pages import KVMemory
     from services.worker.service.service import WorkerService
 
 logger = logging.getLogger(__name__)
@@ -91,9 +91,9 @@ class BeatThread:
 
 
 class Heartbeats:
-    """The heartbeats of one worker service (read, never changed, by them). ``connect``: makes a NATS
-    connection of their own, for the beat thread; None: they go from a task on the worker's loop over
-    its connection."""
+    """The heartbeats of one worker service, each a snapshot of what it reads of the service (it changes
+    nothing there). ``connect``: makes a NATS connection of their own, for the beat thread; None: they go
+    from a task on the worker's loop over the service's connection."""
 
     def __init__(self, service: WorkerService, connect: Callable[[], Awaitable] | None) -> None:
         self.service = service

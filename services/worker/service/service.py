@@ -36,7 +36,7 @@ from opentelemetry.trace import SpanKind
 
 from services.worker.engine.protocol import Engine
 from services.worker.engine.request import StepResult
-from services.worker.kv.cache import KVBudgetExceeded
+from services.worker.kv.pages import KVBudgetExceeded
 from services.worker.service.events import EventPublisher, wire_confidence
 from services.worker.service.heartbeat import Heartbeats
 from services.worker.service.online_profile import OnlineProfile

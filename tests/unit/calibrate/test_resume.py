@@ -101,7 +101,7 @@ def test_the_largest_batch_is_bounded_by_memory_and_measured_batches_are_kept():
     curves = measure_batches(_RunsOutAt(engine, 4), [1, 2, 4, 8], 40, repeats=1,
                              on_batch=lambda b, c: seen.append(b))
     assert curves.bounded_by_memory == 4 and curves.batches == [1, 2] and seen == [1, 2]
-    assert engine.kv_cache_bytes == 0  # the requests of the batch that failed are dropped
+    assert engine.kv_memory().used_bytes == 0  # the requests of the batch that failed are dropped
     resumed = measure_batches(engine, [1, 2, 4], 40, repeats=1, curves=Curves({k: dict(v) for k, v in curves.ms.items()}),
                               on_batch=lambda b, c: seen.append(b))
     assert seen == [1, 2, 4] and resumed.batches == [1, 2, 4] and resumed.ms["cache_ms"]["1"] == curves.ms["cache_ms"]["1"]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from services.worker.parallel.placement import rank_gpus
-from services.worker.parallel.tp_engine import _RankSpec
+from services.worker.parallel.ranks import RankSpec
 from services.worker.service.startup import check_device
 from shared.devices import DeviceError, cuda_problem, pin
 from shared.settings import WorkerSettings
@@ -22,7 +22,7 @@ def test_pin_maps_gpu_ids_through_what_the_parent_sees():
 
 
 def test_ranks_land_on_the_pinned_gpus_as_the_engine_places_them():
-    spec = _RankSpec("models/dls-tiny", 2, "cuda", None, True, None, 10.0)
+    spec = RankSpec("models/dls-tiny", 2, "cuda", None, None, 10.0)
     assert [spec.rank_device(r) for r in range(2)] == [torch.device("cuda", 0), torch.device("cuda", 1)]
     assert rank_gpus("cuda", 2, {"CUDA_VISIBLE_DEVICES": "2,3"}) == ["2", "3"]
     assert rank_gpus("cuda:1", 2, {"CUDA_VISIBLE_DEVICES": "4,5,6"}) == ["5", "6"]

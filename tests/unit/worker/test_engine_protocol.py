@@ -4,17 +4,21 @@ service never probes for a member; the fake's KV memory is none, said with zeros
 from services.worker.engine.engine import DLMEngine
 from services.worker.engine.fake import ZeroComputeEngine
 from services.worker.engine.protocol import Engine
+from services.worker.parallel.tp_engine import TensorParallelEngine
 from shared.messages.base import CacheMode, StepKind
 
 from .conftest import tiny_model
 
-MEMBERS = sorted(set(Engine.__annotations__) | {n for n, v in vars(Engine).items() if callable(v) and not n.startswith("_")})
+METHODS = {name for name, value in vars(Engine).items() if callable(value) and not name.startswith("_")}
+MEMBERS = sorted(set(Engine.__annotations__) | METHODS)
 
 
 def test_every_engine_has_every_member_of_the_protocol():
+    assert len(MEMBERS) > 20
     for engine in (DLMEngine(tiny_model()), ZeroComputeEngine()):
         assert isinstance(engine, Engine)
         assert [m for m in MEMBERS if not hasattr(engine, m)] == []
+    assert issubclass(TensorParallelEngine, DLMEngine)  # rank 0 plans: the same engine, another runner
 
 
 def test_the_fake_holds_no_kv_memory_and_answers_like_the_engine():

@@ -20,7 +20,8 @@ from services.worker.attention.layout import KeyLayout, StepLayout
 from services.worker.attention.select import AttentionBackend, backend_runs
 from services.worker.attention.step import StepAttention
 from services.worker.engine.engine import DLMEngine
-from services.worker.kv.cache import PagedKVCache
+from services.worker.kv.pages import KVPages
+from services.worker.kv.pool import KVPool
 from services.worker.model.loading import load_model
 from services.worker.reference import reference_generate
 from shared.messages.base import CacheMode, StepKind
@@ -54,15 +55,17 @@ def test_packed_engine_on_cuda_equals_the_reference(mode):
         assert state.canvas == reference_generate(model, prompt, gen, block, tau, stop_at_eos=False, cache=mode).tokens
 
 
-def _pool_with_gaps(lengths: list[int], heads: int, head_dim: int, page_size: int) -> tuple[PagedKVCache, list]:
+def _pool_with_gaps(lengths: list[int], heads: int, head_dim: int, page_size: int) -> tuple[KVPool, list]:
     """A pool of random keys/values holding ``lengths`` in pool order, with freed extents between them."""
-    cache = PagedKVCache(2, heads, head_dim, torch.float16, CUDA, page_size=page_size)
+    cache = KVPool(2, heads, head_dim, torch.float16, CUDA, page_size=page_size)
+    pages = KVPages(page_size, cache.bytes_per_token)
     extents = []
     for i, n in enumerate(lengths):
-        extents.append(cache.reserve(f"r{i}", n))
-        cache.reserve(f"gap{i}", 300)
+        extents.append(pages.reserve(f"r{i}", n))
+        pages.reserve(f"gap{i}", 300)
     for i in range(len(lengths)):
-        cache.release(f"gap{i}")  # never to be read: their slots hold noise
+        pages.forget(f"gap{i}")  # never to be read: their slots hold noise
+    cache.apply(pages.take_changes())
     cache.pool.normal_()
     return cache, extents
 
@@ -158,10 +161,10 @@ def test_a_replayed_step_counts_the_keys_it_stores(kernel):
     problem = TaskGenerator(seed=23).problems(1, max_shots=3, split=Split.HELD_OUT)[0]
     state = engine.new_request("q", engine.encode(problem.prompt), cache_mode=CacheMode.DUAL)
     engine.step([(state, 1.0)])  # the block's first step: a recompute, run eagerly
-    before = engine.kv_cache.bytes_written
+    before = engine.runner.kv_pool.bytes_written
     engine.step([(state, 1.0)])  # one token a step: the block is not done, a cache step follows
     assert engine.runner.last_step_graph
-    assert engine.kv_cache.bytes_written - before == engine.last_step_traffic[StepKind.CACHE].written > 0
+    assert engine.runner.kv_pool.bytes_written - before == engine.last_step_traffic[StepKind.CACHE].written > 0
 
 
 @pytest.mark.parametrize("kernel", GRAPH_KERNELS)

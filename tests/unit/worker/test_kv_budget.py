@@ -5,16 +5,20 @@ import pytest
 import torch
 
 from services.worker.engine.engine import DLMEngine
-from services.worker.kv.cache import KVBudgetExceeded, PagedKVCache
+from services.worker.kv.pages import KVBudgetExceeded, KVPages
+from services.worker.kv.pool import KVPool
 from services.worker.reference import reference_generate
 from shared.messages.base import CacheMode
 
 from .conftest import tiny_model
 
 
-def _pool(budget_pages: int = 0, capacity_tokens: int = 0) -> PagedKVCache:
-    cache = PagedKVCache(n_layers=1, n_kv_heads=1, head_dim=2, dtype=torch.float32, device=torch.device("cpu"),
-                         page_size=4, capacity_tokens=capacity_tokens)
+def _tensor() -> KVPool:
+    return KVPool(n_layers=1, n_kv_heads=1, head_dim=2, dtype=torch.float32, device=torch.device("cpu"), page_size=4)
+
+
+def _pool(budget_pages: int = 0, capacity_tokens: int = 0) -> KVPages:
+    cache = KVPages(page_size=4, bytes_per_token=_tensor().bytes_per_token, capacity_tokens=capacity_tokens)
     cache.set_budget(budget_pages * cache.page_bytes)
     return cache
 
@@ -29,10 +33,12 @@ def test_the_pool_grows_up_to_its_budget_and_refuses_beyond_it_without_changing_
         cache.reserve("c", 1)
     assert refused.value.request_ids == ["c"] and refused.value.available_pages == 0
     assert "c" not in cache and cache.held_pages == 6 and cache.num_pages == 6
-    cache.release("a")
+    cache.forget("a")
     assert cache.fits([("c", 8)]) and not cache.fits([("c", 9)])
     cache.reserve("c", 8)
-    assert cache.capacity_bytes == 6 * cache.page_bytes  # never above the budget
+    tensor = _tensor()
+    tensor.apply(cache.take_changes())
+    assert tensor.capacity_bytes == 6 * cache.page_bytes  # never above the budget
 
 
 def test_a_batch_that_would_overflow_is_refused_whole():
@@ -44,32 +50,38 @@ def test_a_batch_that_would_overflow_is_refused_whole():
 
 
 def test_scattered_free_pages_are_compacted_and_the_data_moves_with_its_pages():
-    cache = _pool(budget_pages=6)
+    cache, tensor = _pool(budget_pages=6), _tensor()
     a, b = cache.reserve("a", 8), cache.reserve("b", 8)
     cache.reserve("c", 8)
+    tensor.apply(cache.take_changes())
     keys = torch.arange(16.0).view(8, 1, 2)
-    cache.write(0, keys, -keys, cache.slots(b, 0, 8))
-    cache.release("a")
-    cache.release("c")  # free: pages 0-1 and 4-5, no run of 3
-    copied = cache.bytes_copied
+    tensor.write(0, keys, -keys, tensor.slots(b, 0, 8))
+    cache.forget("a")
+    cache.forget("c")  # free: pages 0-1 and 4-5, no run of 3
+    copied, tensor_copied = cache.bytes_copied, tensor.bytes_copied
     d = cache.reserve("d", 12)
+    tensor.apply(cache.take_changes())
     moved = cache.extent("b")
-    assert moved.first_page == 0 and d.first_page == 2 and cache.num_pages == 6
-    stored_keys, stored_values = cache.layer_slots(0)
+    assert moved.first_page == 0 and d.first_page == 2 and cache.num_pages == 6 and tensor.num_pages == 6
+    stored_keys, stored_values = tensor.layer_slots(0)
     assert torch.equal(stored_keys[0:8], keys) and torch.equal(stored_values[0:8], -keys)
     assert cache.bytes_copied > copied and a.first_page == 0
+    assert tensor.bytes_copied - tensor_copied == cache.bytes_copied - copied  # the table's plan, done
 
 
 def test_trim_gives_the_memory_back_once_no_request_holds_pages():
-    cache = _pool(capacity_tokens=8)
+    cache, tensor = _pool(capacity_tokens=8), _tensor()
     cache.reserve("a", 30)
     cache.reserve("b", 30)
-    assert cache.trim() == 0  # requests hold pages: nothing freed
-    cache.release("a")
-    cache.release("b")
-    big = cache.capacity_bytes
-    assert cache.trim() == big - 2 * cache.page_bytes  # back to the starting 8 positions
-    assert cache.num_pages == 2 and cache.reserved_bytes == 0
+    tensor.apply(cache.take_changes())
+    assert not cache.trim() and cache.take_changes() == ()  # requests hold pages: nothing freed
+    cache.forget("a")
+    cache.forget("b")
+    big = tensor.capacity_bytes
+    assert cache.trim()
+    tensor.apply(cache.take_changes())
+    assert big - tensor.capacity_bytes == big - 2 * cache.page_bytes > 0  # back to the starting 8 positions
+    assert cache.num_pages == tensor.num_pages == 2 and cache.held_bytes == 0
     assert cache.reserve("c", 4).first_page == 0
 
 
@@ -77,7 +89,7 @@ def test_the_engine_refuses_an_overflowing_step_and_names_what_fits():
     model = tiny_model(seed=1)
     engine = DLMEngine(model, stop_at_eos=False, kv_page_size=4)
     prompt = list(range(3, 15))  # 12 positions + a 16-position canvas: 7 pages each
-    engine.set_kv_budget(15 * engine.kv_cache.page_bytes)  # two requests fit, not three
+    engine.set_kv_budget(15 * engine.kv_pages.page_bytes)  # two requests fit, not three
     states = [engine.new_request(f"r{i}", prompt, 16, 8, CacheMode.DUAL) for i in range(3)]
     batch = [(s, 0.9) for s in states]
     assert engine.kv_overflow(batch) == ["r2"]
@@ -88,7 +100,7 @@ def test_the_engine_refuses_an_overflowing_step_and_names_what_fits():
     assert engine.kv_memory().used_bytes == 0
     engine.step(batch[:2])
     memory = engine.kv_memory()
-    assert memory.used_bytes == 14 * engine.kv_cache.page_bytes and memory.num_requests == 2
+    assert memory.used_bytes == 14 * engine.kv_pages.page_bytes and memory.num_requests == 2
     assert memory.capacity_tokens(max_batch=2) == 15 * 4 - 2 * 3
     assert engine.kv_overflow([(states[0], 0.9), (states[2], 0.9)]) == ["r2"]  # r0's cache step takes no page
     engine.drop("r0")  # finished, or moved away: its pages are free
@@ -101,7 +113,7 @@ def test_requests_under_a_budget_answer_as_without_one():
     engine = DLMEngine(model, stop_at_eos=False, kv_page_size=4, kv_budget_bytes=0)
     prompts = [list(range(3, 3 + n)) for n in (5, 9, 13)]
     per_request = max(-(-(len(p) + 16) // 4) for p in prompts)
-    engine.set_kv_budget(2 * per_request * engine.kv_cache.page_bytes)  # at most two at once
+    engine.set_kv_budget(2 * per_request * engine.kv_pages.page_bytes)  # at most two at once
     states = [engine.new_request(f"r{i}", p, 16, 8, CacheMode.DUAL) for i, p in enumerate(prompts)]
     waiting, running = list(states), []
     while waiting or running:
@@ -122,7 +134,7 @@ def test_a_compaction_between_steps_keeps_every_cache_exact():
     moves b's pages down while b is mid-block. Both still answer as the reference does."""
     model = tiny_model(seed=5)
     engine = DLMEngine(model, stop_at_eos=False, kv_page_size=4)
-    engine.set_kv_budget(12 * engine.kv_cache.page_bytes)
+    engine.set_kv_budget(12 * engine.kv_pages.page_bytes)
     prompt = list(range(3, 11))
     a = engine.new_request("a", prompt, 4, 4, CacheMode.DUAL)  # 3 pages
     b = engine.new_request("b", prompt, 16, 4, CacheMode.DUAL)  # 6 pages
@@ -130,12 +142,12 @@ def test_a_compaction_between_steps_keeps_every_cache_exact():
     running = [a, b, c]
     while not a.finished:
         engine.step([(s, 1.0) for s in running])
-    assert c.finished and engine.kv_cache.extent("b").first_page == 3
+    assert c.finished and engine.kv_pages.extent("b").first_page == 3
     d = engine.new_request("d", list(range(4, 12)), 16, 4, CacheMode.DUAL)  # 6 pages: no free run that long
-    copied = engine.kv_cache.bytes_copied
+    copied = engine.runner.kv_pool.bytes_copied
     while not (b.finished and d.finished):
         engine.step([(s, 1.0) for s in (b, d) if not s.finished])
-    assert engine.kv_cache.bytes_copied > copied  # b's pages moved
+    assert engine.runner.kv_pool.bytes_copied > copied  # b's pages moved
     for state in (b, d):
         ref = reference_generate(model, state.prompt_ids, 16, 4, 1.0, stop_at_eos=False, cache="dual")
         assert state.canvas == ref.tokens

@@ -11,7 +11,8 @@ from services.worker.attention.layout import KeyLayout, StepLayout
 from services.worker.attention.select import AttentionBackend, backend_runs, resolve_backend
 from services.worker.attention.step import StepAttention
 from services.worker.engine.engine import DLMEngine
-from services.worker.kv.cache import PagedKVCache
+from services.worker.kv.pages import KVPages
+from services.worker.kv.pool import KVPool
 from services.worker.reference import reference_generate
 from shared.messages.base import CacheMode, StepKind
 
@@ -52,7 +53,7 @@ def test_packed_engine_equals_the_padded_reference_in_every_cache_mode(mode, var
         ref = reference_generate(model, prompt, gen, block, tau, stop_at_eos=False, cache=mode)
         assert state.canvas == ref.tokens
         assert state.num_steps == ref.num_steps
-    assert engine.kv_cache_bytes == 0  # every finished request gave its pages back
+    assert engine.kv_memory().used_bytes == 0  # every finished request gave its pages back
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -148,7 +149,7 @@ def test_cache_steps_copy_nothing_and_write_only_their_window():
     engine = _cached_engine(model)
     prompts = [[5, 6, 7], list(range(3, 24)), [9, 4, 8, 3, 3]]
     states = [engine.new_request(f"r{i}", p, 16, 8, CacheMode.DUAL) for i, p in enumerate(prompts)]
-    per_token = engine.kv_cache.bytes_per_token
+    per_token = engine.kv_pages.bytes_per_token
     engine.step([(s, 1.0) for s in states])  # threshold 1.0: one token per step, the block stays open
     refresh = engine.last_step_traffic[StepKind.RECOMPUTE]
     assert refresh.written == sum(len(p) + 16 for p in prompts) * per_token  # the whole cache rewritten
@@ -162,7 +163,7 @@ def test_prefix_refresh_stores_only_what_its_cache_steps_read():
     model = tiny_model(seed=2)
     engine = _cached_engine(model)
     state = engine.new_request("r", list(range(3, 13)), 16, 8, CacheMode.PREFIX)
-    per_token = engine.kv_cache.bytes_per_token
+    per_token = engine.kv_pages.bytes_per_token
     engine.step([(state, 1.0)])
     assert engine.last_step_traffic[StepKind.RECOMPUTE].written == 10 * per_token  # the prompt: block 0's prefix
     engine.step([(state, 1.0)])
@@ -175,22 +176,22 @@ def test_no_cache_requests_write_nothing():
     state = engine.new_request("r", [3, 4, 5], 8, 8, CacheMode.NONE)
     engine.step([(state, 0.5)])
     assert engine.last_step_traffic[StepKind.RECOMPUTE].written == 0
-    assert not engine.has_cache("r") and engine.kv_cache_bytes == 0
+    assert not engine.has_cache("r") and engine.kv_memory().used_bytes == 0
 
 
 def test_dropped_caches_free_their_pages_for_the_next_requests():
     engine = _cached_engine(tiny_model())
     first = [engine.new_request(f"a{i}", list(range(3, 3 + 6 * (i + 1))), 16, 8, CacheMode.DUAL) for i in range(3)]
     engine.step([(s, 1.0) for s in first])
-    pages, per_page = engine.kv_cache.num_pages, engine.kv_cache.page_size * engine.kv_cache.bytes_per_token
-    assert engine.kv_cache_bytes == sum(-(-(6 * (i + 1) + 16) // 4) for i in range(3)) * per_page
+    pages, per_page = engine.kv_pages.num_pages, engine.kv_pages.page_bytes
+    assert engine.kv_memory().used_bytes == sum(-(-(6 * (i + 1) + 16) // 4) for i in range(3)) * per_page
     for s in first:
         engine.drop(s.request_id)  # migrated away, evicted, or finished
         assert not engine.has_cache(s.request_id)
-    assert engine.kv_cache_bytes == 0
+    assert engine.kv_memory().used_bytes == 0
     second = [engine.new_request(f"b{i}", list(range(3, 15)), 16, 8, CacheMode.DUAL) for i in range(3)]
     engine.step([(s, 1.0) for s in second])
-    assert engine.kv_cache.num_pages == pages  # reused: the pool did not grow
+    assert engine.kv_pages.num_pages == engine.runner.kv_pool.num_pages == pages  # reused: the pool did not grow
     assert engine.last_step_traffic[StepKind.RECOMPUTE].copied == 0
     assert all(engine.next_step_kind(s) is StepKind.CACHE for s in second)
 
@@ -200,11 +201,11 @@ def test_a_growing_pool_keeps_the_caches_it_holds_and_counts_the_copy():
     engine = _cached_engine(model)
     a = engine.new_request("a", list(range(3, 20)), 16, 8, CacheMode.DUAL)
     engine.step([(a, 1.0)])
-    copied = engine.kv_cache.bytes_copied
+    copied = engine.runner.kv_pool.bytes_copied
     b = engine.new_request("b", list(range(3, 23)), 24, 8, CacheMode.DUAL)  # does not fit: the pool grows
     engine.step([(a, 1.0), (b, 1.0)])
-    assert engine.kv_cache.bytes_copied > copied
-    assert engine.last_step_traffic[StepKind.RECOMPUTE].copied == engine.kv_cache.bytes_copied - copied
+    assert engine.runner.kv_pool.bytes_copied > copied
+    assert engine.last_step_traffic[StepKind.RECOMPUTE].copied == engine.runner.kv_pool.bytes_copied - copied
     _run_staggered(engine, [a, b], [0.6, 0.6], join_every=0)
     ref = reference_generate(model, a.prompt_ids, 16, 8, lambda step: 1.0 if step <= 1 else 0.6,
                              stop_at_eos=False, cache="dual")
@@ -212,23 +213,23 @@ def test_a_growing_pool_keeps_the_caches_it_holds_and_counts_the_copy():
 
 
 def test_pool_first_fit_reuses_and_merges_free_runs():
-    cache = PagedKVCache(n_layers=1, n_kv_heads=1, head_dim=2, dtype=torch.float32, device=torch.device("cpu"),
-                         page_size=4, capacity_tokens=40)
+    cache = KVPages(page_size=4, bytes_per_token=16, capacity_tokens=40)
     assert cache.num_pages == 10
     a, b, c = cache.reserve("a", 8), cache.reserve("b", 9), cache.reserve("c", 4)
     assert (a.first_page, b.first_page, c.first_page) == (0, 2, 5) and b.num_pages == 3
-    cache.release("a")
-    cache.release("b")  # merged with a's run: five free pages in a row
+    cache.forget("a")
+    cache.forget("b")  # merged with a's run: five free pages in a row
     assert cache.reserve("d", 20).first_page == 0
     assert cache.num_pages == 10 and cache.bytes_copied == 0
     assert cache.reserve("d", 20).first_page == 0  # the same size again: the same extent, rewritten in place
 
 
 def test_pool_writes_land_in_the_request_slots():
-    cache = PagedKVCache(n_layers=2, n_kv_heads=1, head_dim=2, dtype=torch.float32, device=torch.device("cpu"),
-                         page_size=4)
-    cache.reserve("x", 3)
-    extent = cache.reserve("y", 6)
+    cache = KVPool(n_layers=2, n_kv_heads=1, head_dim=2, dtype=torch.float32, device=torch.device("cpu"), page_size=4)
+    pages = KVPages(page_size=4, bytes_per_token=cache.bytes_per_token)
+    pages.reserve("x", 3)
+    extent = pages.reserve("y", 6)
+    cache.apply(pages.take_changes())
     keys = torch.arange(12.0).view(6, 1, 2)
     cache.write(1, keys, -keys, cache.slots(extent, 0, 6))
     stored_keys, stored_values = cache.layer_slots(1)

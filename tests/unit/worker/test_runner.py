@@ -155,7 +155,7 @@ def test_bucketed_static_steps_decode_the_reference_tokens(kernel_counter, backe
         engine.step(live)
         step += 1
     assert engine.runner.num_graph_steps > 3  # batches of 1..7 requests, padded to 1, 2, 4 and 8
-    assert {key[0] for key in engine.runner._graphs} >= {2, 4, 8}
+    assert {key[0] for key in engine.runner.graphs.captured} >= {2, 4, 8}
     for state, (prompt, gen, block, tau) in zip(states, specs, strict=True):
         ref = reference_generate(model, prompt, gen, block, tau, stop_at_eos=False, cache="dual", rule=engine.rule)
         assert state.canvas == ref.tokens
@@ -169,10 +169,10 @@ def test_the_pools_byte_counter_agrees_with_the_steps_plan():
     states = [engine.new_request(f"r{i}", p, g, b, mode) for i, (p, g, b, _, mode)
               in enumerate(_mixed_specs(seed=5, count=6, modes=[CacheMode.PREFIX, CacheMode.DUAL]))]
     while not all(s.finished for s in states):
-        before = engine.kv_cache.bytes_written
+        before = engine.runner.kv_pool.bytes_written
         engine.step([(s, 0.6) for s in states if not s.finished])
         planned = sum(traffic.written for traffic in engine.last_step_traffic.values())
-        assert engine.kv_cache.bytes_written - before == planned
+        assert engine.runner.kv_pool.bytes_written - before == planned
 
 
 def test_graphs_are_off_on_a_cpu_even_when_asked_for():

@@ -1,17 +1,11 @@
-"""Paged KV storage: every request's keys and values in one preallocated pool, read where they lie.
+"""The KV pool's page table: which pages each request holds, the free runs, the budget (the allocator the
+engine asks; the tensor the runner writes is ``services/worker/kv/pool.py``).
 
-The pool is one tensor ``[n_layers, 2 (keys, values), num_pages, page_size, H_kv, head_dim]``. A
-request owns a contiguous run of pages (its :class:`Extent`) that holds its prompt plus canvas:
-position ``p`` of the sequence lives in slot ``p`` of the extent. Keys are stored with RoPE applied,
-so they are never rotated again.
-
-Why contiguous runs of pages: the SDPA fallback then reads a request's keys as a plain view of the
-pool (no gather), and flash-attn reads them through a block table (one row of consecutive page ids
-per request) with pages of the size its paged kernel requires (a multiple of 256).
-
-The pool counts the bytes it moves: ``bytes_written`` (fresh keys and values stored) and
-``bytes_copied`` (stored entries moved: when the pool grows, which copies the old pool, or is
-compacted).
+A request owns a contiguous run of pages (its :class:`Extent`) that holds its prompt plus canvas:
+position ``p`` of the sequence lives in slot ``p`` of the extent. Why contiguous runs of pages: the
+SDPA fallback then reads a request's keys as a plain view of the pool (no gather), and flash-attn reads
+them through a block table (one row of consecutive page ids per request) with pages of the size its
+paged kernel requires (a multiple of 256).
 
 A byte budget (``budget_bytes``; 0: none) caps the pool: it grows up to the budget and no further.
 A step that needs more pages than the budget leaves raises :class:`KVBudgetExceeded` before anything
@@ -20,14 +14,20 @@ runs are first gathered by compaction (requests' pages moved down, in order). Th
 by itself (a burst's pages are reused by the next); ``trim`` gives the memory back once no request
 holds any. Held pages and tokens are plain counters, so another thread (the worker's heartbeat)
 reads them without walking the requests.
+
+The table decides, the pool tensor follows: every growth, compaction and trim is queued as a
+:data:`PoolChange` (``take_changes``), which the runner applies to its tensor (on every
+tensor-parallel rank alike) before the step's forward. ``bytes_copied`` counts what those changes
+copy (the pool growing copies the pages it had; compaction moves requests' pages).
+
+Transient extents (a no-cache request's keys in a step that reads keys from the pool) are workspace
+for one step, outside the budget and the held counters, in a namespace of their own.
 """
 
 from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-
-import torch
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,26 @@ class Extent:
         return self.first_page * page_size
 
 
+@dataclass(frozen=True)
+class PoolResize:
+    """The pool tensor to hold ``num_pages`` pages, the pages it had kept (``keep``) or not (a trim)."""
+
+    num_pages: int
+    keep: bool = True
+
+
+@dataclass(frozen=True)
+class PageMove:
+    """``num_pages`` pages moved from page ``source`` down to page ``target`` (compaction, in order)."""
+
+    source: int
+    target: int
+    num_pages: int
+
+
+PoolChange = PoolResize | PageMove
+
+
 class KVBudgetExceeded(RuntimeError):
     """A step would hold more KV pages than the pool's byte budget allows; nothing was written."""
 
@@ -51,6 +71,38 @@ class KVBudgetExceeded(RuntimeError):
         super().__init__(
             f"KV budget full: {len(request_ids)} request(s) need {needed_pages} page(s) "
             f"({needed_pages * page_bytes} bytes), {available_pages} left under the budget")
+
+
+@dataclass(frozen=True)
+class KVMemory:
+    """The KV pool's memory now (bytes and positions; a budget of 0: none)."""
+
+    budget_bytes: int  # the cap (0: none)
+    pool_bytes: int  # allocated now
+    used_bytes: int  # in pages requests hold
+    used_tokens: int  # positions requests hold
+    bytes_per_token: int  # one position, every layer (this engine's heads)
+    page_tokens: int  # positions per page (a request's pages round its positions up to this)
+    num_requests: int  # requests holding pages
+
+    @property
+    def free_bytes(self) -> int:
+        return max(self.budget_bytes - self.used_bytes, 0) if self.budget_bytes else 0
+
+    def capacity_tokens(self, max_batch: int) -> int:
+        """Positions a scheduler may place here, summed over requests, and be sure they fit: the budget
+        less one page's rounding per request of a full batch (0: no budget)."""
+        if not self.budget_bytes:
+            return 0
+        return max(self.budget_bytes // self.bytes_per_token - max_batch * (self.page_tokens - 1), 0)
+
+
+@dataclass(frozen=True)
+class KVTraffic:
+    """KV-cache bytes one forward moved (every layer, this engine's heads)."""
+
+    copied: int = 0  # stored entries copied elsewhere (a gather, or the pool growing)
+    written: int = 0  # fresh keys and values stored
 
 
 class _FreePages:
@@ -88,82 +140,46 @@ class _FreePages:
     def num_free(self) -> int:
         return sum(self._lengths)
 
-    @property
-    def longest(self) -> int:
-        return max(self._lengths, default=0)
-
     def reset(self, start: int, count: int) -> None:
         """One free run of ``count`` pages from ``start`` (nothing else free)."""
         self._starts, self._lengths = ([start], [count]) if count else ([], [])
 
 
-class PagedKVCache:
-    """The KV caches of every request on one engine (one tensor-parallel shard's heads)."""
+class KVPages:
+    """The page table of one engine's KV pool (every tensor-parallel rank's pool follows the same one)."""
 
-    def __init__(
-        self,
-        n_layers: int,
-        n_kv_heads: int,
-        head_dim: int,
-        dtype: torch.dtype,
-        device: torch.device,
-        page_size: int = 16,
-        capacity_tokens: int = 0,
-        budget_bytes: int = 0,
-    ) -> None:
-        """``capacity_tokens``: positions the pool holds from the start (and keeps after ``trim``);
+    def __init__(self, page_size: int, bytes_per_token: int, capacity_tokens: int = 0, budget_bytes: int = 0) -> None:
+        """``bytes_per_token``: keys and values of one position, every layer (the pool's);
+        ``capacity_tokens``: positions the pool holds from the start (and keeps after ``trim``);
         ``budget_bytes``: the most the pool may ever take (0: no cap)."""
         if page_size < 1:
             raise ValueError(f"page_size must be positive, got {page_size}")
-        self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim
-        self.page_size = page_size
-        self.pool = torch.empty((n_layers, 2, 0, page_size, n_kv_heads, head_dim), dtype=dtype, device=device)
+        self.page_size, self.bytes_per_token = page_size, bytes_per_token
+        self.num_pages = 0  # the pool's pages, as the changes taken so far leave it
         self._free = _FreePages()
         self._extents: dict[str, Extent] = {}  # request id -> its pages
-        self._transient: set[str] = set()  # ids whose pages are workspace for one step, outside the budget
+        self._transient: dict[str, Extent] = {}  # request id -> its workspace for one step
+        self._cache_blocks: dict[str, int] = {}  # request id -> the block whose start refreshed its cache
+        self._changes: list[PoolChange] = []  # for the pool tensor, not taken yet
         self.held_pages = 0  # pages requests hold (kept in step with _extents)
         self.held_tokens = 0  # positions they hold
-        self.bytes_written = 0
         self.bytes_copied = 0
         self.max_pages: int | None = None  # the budget in pages (None: no cap)
         self.set_budget(budget_bytes)
-        self._base_pages = min(-(-capacity_tokens // page_size), self.max_pages or 1 << 62) if capacity_tokens > 0 else 0
+        self._base_pages = min(self.pages_for(capacity_tokens), self.max_pages or 1 << 62) if capacity_tokens > 0 else 0
         if self._base_pages:
             self._grow(self._base_pages)
 
     # --- sizes ----------------------------------------------------------------------------------
 
     @property
-    def num_pages(self) -> int:
-        return self.pool.shape[2]
-
-    @property
-    def num_slots(self) -> int:
-        return self.num_pages * self.page_size
-
-    @property
-    def bytes_per_token(self) -> int:
-        """Keys and values of one position, every layer."""
-        return self.n_layers * 2 * self.n_kv_heads * self.head_dim * self.pool.element_size()
-
-    @property
     def page_bytes(self) -> int:
         return self.page_size * self.bytes_per_token
 
     @property
-    def capacity_bytes(self) -> int:
-        """Bytes the pool has allocated now (held pages and free ones)."""
-        return self.pool.numel() * self.pool.element_size()
-
-    @property
-    def reserved_bytes(self) -> int:
+    def held_bytes(self) -> int:
         """Bytes of the pages that requests hold (free pages excluded)."""
         return self.held_pages * self.page_bytes
-
-    @property
-    def used_bytes(self) -> int:
-        """Bytes of the slots that hold a position (the tail of each request's last page excluded)."""
-        return self.held_tokens * self.bytes_per_token
 
     @property
     def budget_bytes(self) -> int:
@@ -185,7 +201,7 @@ class PagedKVCache:
             raise ValueError(f"a KV budget of {budget_bytes} bytes holds no page ({self.page_bytes} bytes each)")
 
     def preallocate(self) -> None:
-        """Allocate the pool to its whole budget now (it then never grows, nor moves, while requests fit)."""
+        """Grow the pool to its whole budget now (it then never grows, nor moves, while requests fit)."""
         if self.max_pages is not None and self.num_pages < self.max_pages:
             self._grow(self.max_pages - self.num_pages)
 
@@ -200,6 +216,9 @@ class PagedKVCache:
     def extent(self, request_id: str) -> Extent:
         return self._extents[request_id]
 
+    def transient_extent(self, request_id: str) -> Extent:
+        return self._transient[request_id]
+
     def reserve(self, request_id: str, num_tokens: int) -> Extent:
         """The request's extent for ``num_tokens`` positions: its own when it has one that size, else
         new pages (the pool grows, or is compacted, when no free run is long enough)."""
@@ -207,7 +226,7 @@ class PagedKVCache:
         if held is not None and held.num_tokens == num_tokens:
             return held
         self.make_room([(request_id, num_tokens)])
-        self.release(request_id)
+        self._release(request_id)
         num_pages = self.pages_for(num_tokens)
         first = self._free.take(num_pages)
         if first is None:  # free pages enough (make_room), but scattered
@@ -220,14 +239,15 @@ class PagedKVCache:
         self.held_tokens += num_tokens
         return extent
 
-    def reserve_transient(self, key: str, num_tokens: int) -> Extent:
+    def reserve_transient(self, request_id: str, num_tokens: int) -> Extent:
         """Pages for one step's workspace (a no-cache request's keys in a step that reads keys from the
-        pool; a CUDA graph's padding rows): outside the budget and the held counters, the pool growing
-        past the budget if it must; ``release`` gives them back."""
+        pool): outside the budget and the held counters, the pool growing past the budget if it must;
+        ``release_transient`` gives them back."""
         num_pages = self.pages_for(num_tokens)
-        if self._extents.get(key, Extent(0, 0, 0)).num_tokens == num_tokens and key in self._transient:
-            return self._extents[key]
-        self.release(key)
+        held = self._transient.get(request_id)
+        if held is not None and held.num_tokens == num_tokens:
+            return held
+        self.release_transient(request_id)
         first = self._free.take(num_pages)
         if first is None and self._free.num_free >= num_pages:  # enough, but scattered
             self._compact()
@@ -236,9 +256,42 @@ class PagedKVCache:
             self._grow(num_pages)  # a free run of num_pages at the end, at least
             first = self._free.take(num_pages)
         assert first is not None, "the pool grew too little for a transient extent"
-        extent = self._extents[key] = Extent(first, num_pages, num_tokens)
-        self._transient.add(key)
+        extent = self._transient[request_id] = Extent(first, num_pages, num_tokens)
         return extent
+
+    def release_transient(self, request_id: str) -> None:
+        extent = self._transient.pop(request_id, None)
+        if extent is not None:
+            self._free.give(extent.first_page, extent.num_pages)
+
+    def forget(self, request_id: str) -> None:
+        """The request's cache is gone (it finished, or moved to another instance): its pages are free."""
+        self._cache_blocks.pop(request_id, None)
+        self._release(request_id)
+
+    def _release(self, request_id: str) -> None:
+        extent = self._extents.pop(request_id, None)
+        if extent is None:
+            return
+        self._free.give(extent.first_page, extent.num_pages)
+        self.held_pages -= extent.num_pages
+        self.held_tokens -= extent.num_tokens
+
+    # --- which block each cache was refreshed at ------------------------------------------------
+
+    def cached_block(self, request_id: str) -> int | None:
+        """The block whose first step stored the request's cache here (None: no cache here)."""
+        return self._cache_blocks.get(request_id)
+
+    def note_cached(self, request_id: str, block: int) -> None:
+        self._cache_blocks[request_id] = block
+
+    @property
+    def num_cached(self) -> int:
+        """Requests with a cache here."""
+        return len(self._cache_blocks)
+
+    # --- the budget -----------------------------------------------------------------------------
 
     def pages_needed(self, requests: list[tuple[str, int]]) -> int:
         """New pages these (request id, positions) reservations take (a request's own extent of that
@@ -269,74 +322,39 @@ class PagedKVCache:
                 extra = max(min(extra, self.max_pages - self.num_pages), short)
             self._grow(extra)
 
-    def release(self, request_id: str) -> None:
-        extent = self._extents.pop(request_id, None)
-        if extent is None:
-            return
-        self._free.give(extent.first_page, extent.num_pages)
-        if request_id in self._transient:
-            self._transient.discard(request_id)
-        else:
-            self.held_pages -= extent.num_pages
-            self.held_tokens -= extent.num_tokens
+    # --- what the pool tensor must do -----------------------------------------------------------
 
-    def trim(self) -> int:
-        """Give back the memory of a pool no request holds pages of: back to its starting size.
-        Returns the bytes freed (0 while any request holds pages)."""
-        if self._extents or self.num_pages <= self._base_pages:
-            return 0
-        freed = self.capacity_bytes
-        shape = list(self.pool.shape)
-        shape[2] = self._base_pages
-        self.pool = self.pool.new_zeros(shape)
+    def trim(self) -> bool:
+        """Back to the starting size, when no request holds pages (True: the pool is to be trimmed)."""
+        if self._extents or self._transient or self.num_pages <= self._base_pages:
+            return False
+        self.num_pages = self._base_pages
         self._free.reset(0, self._base_pages)
-        return freed - self.capacity_bytes
+        self._changes.append(PoolResize(self._base_pages, keep=False))
+        return True
+
+    def take_changes(self) -> tuple[PoolChange, ...]:
+        """The pool tensor's changes decided since the last call, in order (the runner applies them)."""
+        changes, self._changes = tuple(self._changes), []
+        return changes
 
     def _grow(self, extra_pages: int) -> None:
-        """Add ``extra_pages`` at the end of the pool; the old pool is copied (counted in ``bytes_copied``)."""
-        old = self.pool
-        shape = list(old.shape)
-        shape[2] += extra_pages
-        # zeros, not whatever the allocator held: a kernel reading a masked slot (flex_attention's partial
-        # blocks, SDPA's padded keys) multiplies it by a probability of 0, which a NaN would survive
-        self.pool = old.new_zeros(shape)
-        if old.shape[2]:
-            self.pool[:, :, : old.shape[2]].copy_(old)
-            self.bytes_copied += old.numel() * old.element_size()
-        self._free.give(old.shape[2], extra_pages)
+        """``extra_pages`` more at the end of the pool; the pages it had are copied (``bytes_copied``)."""
+        old = self.num_pages
+        self.num_pages += extra_pages
+        self.bytes_copied += old * self.page_bytes
+        self._changes.append(PoolResize(self.num_pages))
+        self._free.give(old, extra_pages)
 
     def _compact(self) -> None:
-        """Move every request's pages down, in pool order, so that the free pages form one run at the end."""
+        """Move every extent's pages down, in pool order, so that the free pages form one run at the end."""
         cursor = 0
-        for rid, extent in sorted(self._extents.items(), key=lambda item: item[1].first_page):
+        held = [(self._extents, rid, e) for rid, e in self._extents.items()]
+        held += [(self._transient, rid, e) for rid, e in self._transient.items()]
+        for table, rid, extent in sorted(held, key=lambda item: item[2].first_page):
             if extent.first_page != cursor:
-                n = extent.num_pages
-                moved = self.pool[:, :, extent.first_page : extent.first_page + n].clone()
-                self.pool[:, :, cursor : cursor + n].copy_(moved)
-                self.bytes_copied += moved.numel() * moved.element_size()
-                self._extents[rid] = Extent(cursor, n, extent.num_tokens)
+                self._changes.append(PageMove(extent.first_page, cursor, extent.num_pages))
+                self.bytes_copied += extent.num_pages * self.page_bytes
+                table[rid] = Extent(cursor, extent.num_pages, extent.num_tokens)
             cursor += extent.num_pages
         self._free.reset(cursor, self.num_pages - cursor)
-
-    # --- reading and writing one layer ----------------------------------------------------------
-
-    def layer_pages(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of ``layer`` as pages, ``[num_pages, page_size, H_kv, head_dim]`` each (views)."""
-        return self.pool[layer, 0], self.pool[layer, 1]
-
-    def layer_slots(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of ``layer`` as one row per slot, ``[num_pages * page_size, H_kv, head_dim]`` (views)."""
-        keys, values = self.layer_pages(layer)
-        return keys.view(-1, self.n_kv_heads, self.head_dim), values.view(-1, self.n_kv_heads, self.head_dim)
-
-    def slots(self, extent: Extent, start: int, end: int) -> torch.Tensor:
-        """Slot indices of sequence positions ``[start, end)`` of ``extent``."""
-        first = extent.first_slot(self.page_size)
-        return torch.arange(first + start, first + end)
-
-    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> None:
-        """Store fresh ``keys``/``values`` ``[N, H_kv, head_dim]`` in ``slots`` ``[N]`` (on the pool's device)."""
-        cached_keys, cached_values = self.layer_slots(layer)
-        cached_keys.index_copy_(0, slots, keys)
-        cached_values.index_copy_(0, slots, values)
-        self.bytes_written += 2 * keys.numel() * self.pool.element_size()
