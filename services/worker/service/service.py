@@ -1,6 +1,6 @@
 """The worker service: one model instance (TP degree d) that runs the batched steps the scheduler sends.
 
-A thin loop around the engine (``services/worker/engine/engine.py``, or ``tp.py`` for d > 1):
+A thin loop around the engine (``engine.protocol.Engine``: ``DLMEngine``, or ``TensorParallelEngine`` for d > 1):
 
 - ``step.<instance>``: a ``StepCommand``. Each item names a request, its threshold and the state
   version the step starts from. The worker steps from its local copy (and KV cache) when it holds
@@ -139,9 +139,8 @@ class WorkerService:
         self.metrics = WorkerMetrics(self.instance_id, model_name=engine.name)
         self.metrics_server = None  # the /metrics HTTP server (DLS_METRICS_PORT; None: off)
         self._tracer = tracer("dls.worker")
-        # engines declare ``blocking = False`` when a step costs next to nothing (no model); NOTE: read with
-        # a default until TensorParallelEngine declares it as ``Engine`` says every engine does
-        self._offload = bool(getattr(engine, "blocking", True))
+        # engines declare ``blocking = False`` when a step costs next to nothing (no model)
+        self._offload = engine.blocking
 
     @property
     def profile_name(self) -> str:
