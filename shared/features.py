@@ -80,7 +80,7 @@ class ConfidenceLike(Protocol):
 
 
 class StateLike(Protocol):
-    """A request's engine state as the features read it (``services.worker.engine.engine.RequestState``)."""
+    """A request's engine state as the features read it (``services.worker.engine.request.RequestState``)."""
 
     request_id: str
     prompt_ids: list[int]
@@ -95,7 +95,7 @@ class StateLike(Protocol):
 
 
 class StepResultLike(Protocol):
-    """One request's step result as the features read it (``services.worker.engine.engine.StepResult``)."""
+    """One request's step result as the features read it (``services.worker.engine.request.StepResult``)."""
 
     block_index: int
     num_steps: int

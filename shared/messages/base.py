@@ -67,7 +67,7 @@ class RequestStatus(IntEnum):
 class ConfidenceStats(Part, kw_only=True):
     """Confidences of the current block's positions still masked after a step (1.0 when none).
 
-    Mirrors ``services.worker.engine.engine.ConfidenceStats``; ``as_tuple`` is the predictor's order.
+    Mirrors ``services.worker.engine.request.ConfidenceStats``; ``as_tuple`` is the predictor's order.
     """
 
     min: float  # lowest confidence

@@ -26,7 +26,7 @@ class WorkerStatus(IntEnum):
 
 
 class KVMemory(Part, kw_only=True):
-    """A worker's KV pool as its heartbeat reports it (``services.worker.engine.engine.KVMemory``); per GPU of
+    """A worker's KV pool as its heartbeat reports it (``services.worker.kv.pages.KVMemory``); per GPU of
     the instance (every tensor-parallel rank holds the same pages for its own heads)."""
 
     budget_bytes: int = 0  # the pool's cap (0: none)

@@ -72,8 +72,8 @@ class StepFailure(Part, kw_only=True):
 
 
 class RequestStepResult(Part, kw_only=True):
-    """One request's outcome of a step: ``services.worker.engine.engine.StepResult`` plus what only the worker
-    can tell without the canvas (``block_done``) and the state version it wrote."""
+    """One request's outcome of a step: ``services.worker.engine.request.StepResult`` (``block_done``
+    included) plus the state version the worker wrote and the answer's length at finish."""
 
     request_id: str  # the request this result is for
     kind: StepKind  # recompute (full forward) or cache step

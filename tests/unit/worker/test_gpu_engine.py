@@ -109,8 +109,7 @@ def test_kernel_engine_commits_the_sdpa_engine_tokens_over_32_prompts(kernel, mo
     problems = TaskGenerator(seed=20).problems(32, max_shots=3, split=Split.HELD_OUT)
     canvases = {}
     for attention in (kernel, AttentionBackend.SDPA):
-        engine = DLMEngine(loaded.model, loaded.tokenizer, loaded.gen_length, loaded.block_length,
-                           attention=attention.value)
+        engine = DLMEngine.from_loaded(loaded, attention=attention.value)
         states = [engine.new_request(f"q{i}", engine.encode(p.prompt), cache_mode=mode) for i, p in enumerate(problems)]
         engine.run_to_completion([(s, 0.9) for s in states])
         canvases[attention] = [(s.canvas, s.num_steps) for s in states]
@@ -139,8 +138,7 @@ def test_steps_replayed_from_cuda_graphs_commit_the_eager_tokens(kernel):
     problems = TaskGenerator(seed=21).problems(24, max_shots=3, split=Split.HELD_OUT)
     canvases, graph_steps = {}, 0
     for graphs in (True, False):
-        engine = DLMEngine(loaded.model, loaded.tokenizer, loaded.gen_length, loaded.block_length,
-                           attention=kernel.value, cuda_graphs=graphs)
+        engine = DLMEngine.from_loaded(loaded, attention=kernel.value, cuda_graphs=graphs)
         states = [engine.new_request(f"q{i}", engine.encode(p.prompt), cache_mode=CacheMode.DUAL)
                   for i, p in enumerate(problems)]
         _run_staggered(engine, states, [0.9] * len(states), join_every=1)
@@ -156,8 +154,7 @@ def test_a_replayed_step_counts_the_keys_it_stores(kernel):
     what the captured step stores, so a replayed step counts what its plan says it wrote."""
     loaded = load_model(MODEL_DIR, device="cuda", dtype=torch.float16)
     _require(kernel, loaded.model.config.head_dim)
-    engine = DLMEngine(loaded.model, loaded.tokenizer, loaded.gen_length, loaded.block_length,
-                       attention=kernel.value, cuda_graphs=True)
+    engine = DLMEngine.from_loaded(loaded, attention=kernel.value, cuda_graphs=True)
     problem = TaskGenerator(seed=23).problems(1, max_shots=3, split=Split.HELD_OUT)[0]
     state = engine.new_request("q", engine.encode(problem.prompt), cache_mode=CacheMode.DUAL)
     engine.step([(state, 1.0)])  # the block's first step: a recompute, run eagerly
@@ -171,7 +168,7 @@ def test_a_replayed_step_counts_the_keys_it_stores(kernel):
 def test_a_cuda_step_makes_no_hidden_synchronisation(kernel, monkeypatch):
     loaded = load_model(MODEL_DIR, device="cuda", dtype=torch.float16)
     _require(kernel, loaded.model.config.head_dim)
-    engine = DLMEngine(loaded.model, loaded.tokenizer, loaded.gen_length, loaded.block_length, attention=kernel.value)
+    engine = DLMEngine.from_loaded(loaded, attention=kernel.value)
     problems = TaskGenerator(seed=22).problems(8, max_shots=3, split=Split.HELD_OUT)
     states = [engine.new_request(f"q{i}", engine.encode(p.prompt), cache_mode=CacheMode.DUAL)
               for i, p in enumerate(problems)]
