@@ -92,8 +92,8 @@ if TYPE_CHECKING:
 
 def loaded_options(loaded: LoadedModel) -> dict:
     """The engine options a loaded model brings: its tokenizer, default lengths, name and longest canvas."""
-    return dict(tokenizer=loaded.tokenizer, default_gen_length=loaded.gen_length,
-                default_block_length=loaded.block_length, name=loaded.name,
+    return dict(tokenizer=loaded.tokenizer, default_gen_length=loaded.limits.gen_length,
+                default_block_length=loaded.limits.block_length, name=loaded.name,
                 max_gen_length=loaded.limits.max_gen_length)
 
 

@@ -50,14 +50,6 @@ class LoadedModel:
     name: str
     family: str  # "dls", "llada" or "dream"
 
-    @property
-    def gen_length(self) -> int:
-        return self.limits.gen_length
-
-    @property
-    def block_length(self) -> int:
-        return self.limits.block_length
-
 
 def load_model(directory: str | Path, device: str = "cpu", dtype: torch.dtype | None = None,
                trust_remote_code: bool = False) -> LoadedModel:
