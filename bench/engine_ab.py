@@ -36,8 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 _TP_PROGRAM = r"""
 import importlib, json, sys, time
 factory = None
-for name in ("services.worker.parallel.build", "services.worker.engine.build", "services.worker.parallel.tp_engine",
-             "services.worker.tp"):
+for name in ("services.worker.parallel.build", "services.worker.tp"):  # the factory's home now, and before
     try:
         factory = importlib.import_module(name).make_engine
         break
