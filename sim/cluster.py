@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from services.reconfigurator.core.spec import Cluster, Instance, Node
 from services.scheduler.core import ClusterView
 from shared.profiles import LatencyProfile
+from sim.workload import DEFAULT_MODEL
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class ClusterSpec:
     # KV memory per GPU for caches (0: each instance's default, max batch x the profile's context);
     # an instance holds tp * kv_budget_bytes / the profile's kv_bytes_per_token context tokens
     kv_budget_bytes: int = 0
+    model: str = DEFAULT_MODEL  # the model every instance serves (requests name theirs: RequestSpec.model)
 
     @property
     def num_gpus(self) -> int:
@@ -102,7 +104,7 @@ class SimCluster:
         self.num_started += 1
         iid = f"{instance.node}/g{instance.gpu_ids[0]}-{instance.gpu_ids[-1]}#{self.num_started}"
         self.view.add_instance(iid, instance.tp, self.profile, node_id=instance.node, max_batch=self.spec.max_batch,
-                               mem_limit_tokens=self.spec.kv_tokens(self.profile, instance.tp))
+                               mem_limit_tokens=self.spec.kv_tokens(self.profile, instance.tp), model=self.spec.model)
         self.id_to_instance[iid] = instance
         for gpu in instance.gpu_ids:
             self.gpu_to_owner[(instance.node, gpu)] = iid

@@ -202,7 +202,8 @@ class Simulator:
         self._versions[spec.request_id] = 1  # stored, as the live scheduler's create() does
         request = Request(
             spec.request_id, spec.arrival_s, prompt_len, spec.gen_len, spec.slo_s, block_len=spec.block_len,
-            priority=spec.priority, cache_mode=self.cache_mode, min_threshold=spec.min_threshold, state_version=1,
+            priority=spec.priority, cache_mode=self.cache_mode, min_threshold=spec.min_threshold, model=spec.model,
+            state_version=1,
         )
         if self.reconfigurator is not None:
             self.reconfigurator.observe(ArrivalEvent(self.now, prompt_len, spec.gen_len, spec.slo_s))

@@ -32,6 +32,7 @@ SHAREGPT_PROMPT_MEAN = 140.0
 SHAREGPT_OUTPUT_MEAN = 264.0
 TOKENS_PER_SHOT = SHAREGPT_PROMPT_MEAN / 5  # 140 nominal prompt tokens <-> the paper's 5-shot prompts
 MAX_SHOTS = 8
+DEFAULT_MODEL = "default"  # the one model of a run: every request names it, every instance serves it
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,7 @@ class RequestSpec:
     min_threshold: float = 0.0
     nominal_prompt_tokens: int = 0  # ShareGPT-like length the request stands for (0: none)
     nominal_output_tokens: int = 0
+    model: str = DEFAULT_MODEL  # the model it names: it runs only on instances of it (ClusterSpec.model)
 
 
 @dataclass(frozen=True)

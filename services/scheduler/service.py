@@ -9,8 +9,10 @@ Wiring only: every input becomes one call of the core (``services/scheduler/core
   instance) -> ``on_results`` (the critical path: continued steps go out at once) and, once those
   commands are written and the fresh predictions are in (one ``predict`` request/reply, awaited up to
   ``predict_wait_s``; paused ``PREDICTOR_RETRY_S`` after a call that got no reply), ``finish_results``;
-- ``heartbeat``: worker leases -> ``add_instance``, ``drain_instance``, ``fail_instance``; a lost or
-  failed step's request is read back from Redis -> ``reloaded``;
+- ``heartbeat``: worker leases -> ``add_instance`` (with the model it serves), ``drain_instance``,
+  ``fail_instance`` (also when a known instance names another model: it joins again as that model's);
+  a lost or failed step's request is read back from Redis -> ``reloaded``; a request's model is the one
+  its record names (the core runs it only on instances of that model);
 - ``cancel``: ``cancel`` and a versioned CANCELLED write.
 
 Outputs: the core's ``StepCommand``s (``step.<instance>``), ``RequestFailed`` for rejections and
@@ -426,7 +428,7 @@ class SchedulerService:
             record.request_id, record.arrival_time, len(record.prompt_token_ids), record.gen_length,
             record.slo_ms / 1000.0, block_len=record.block_length, priority=record.priority,
             cache_mode=record.cache_mode, min_threshold=record.min_threshold, max_threshold=record.max_threshold,
-            state_version=record.version,
+            model=record.model, state_version=record.version,  # as named ("": any instance, as before)
         )
         # a resumed request keeps its progress (its next step is a recompute: no instance holds a cache)
         request.catch_up(record.num_steps, record.num_committed, record.current_block)
@@ -467,6 +469,12 @@ class SchedulerService:
             logger.warning("instance %s restarted: its steps in flight are lost", beat.instance_id)
             self._fail_instance(beat.instance_id)
             known = False
+        if known and beat.model != self.instances[beat.instance_id].model:
+            # another model under the same id: it leaves (its requests resume on instances of theirs) and joins anew
+            logger.warning("instance %s now serves %s (was %s): it leaves and joins again", beat.instance_id,
+                           beat.model, self.instances[beat.instance_id].model)
+            self._fail_instance(beat.instance_id)
+            known = False
         if observed is Observed.ENDED:
             if known:
                 self._fail_instance(beat.instance_id)
@@ -499,14 +507,14 @@ class SchedulerService:
         if profile is None:
             return
         self.instances[beat.instance_id] = beat
-        logger.info("instance %s joined (tp %d, node %s)", beat.instance_id, beat.tp, beat.node)
+        logger.info("instance %s joined (model %s, tp %d, node %s)", beat.instance_id, beat.model, beat.tp, beat.node)
         memory = beat.kv.capacity_tokens if beat.kv is not None and beat.kv.capacity_tokens > 0 else None
         if memory is not None:
             logger.info("instance %s holds %d KV tokens (%d bytes per GPU)", beat.instance_id, memory,
                         beat.kv.budget_bytes)
         self._carry_out(self.core.add_instance(now, beat.instance_id, beat.tp, profile, node_id=beat.node,
                                                max_batch=min(beat.max_batch, profile.max_batch(beat.tp)),
-                                               mem_limit_tokens=memory))
+                                               mem_limit_tokens=memory, model=beat.model))
 
     def _profile(self, beat: WorkerHeartbeat) -> LatencyProfile | None:
         if not beat.profile and beat.measured is not None:  # uncalibrated: the step times its worker measures

@@ -28,7 +28,7 @@ from services.scheduler.core.steps import (
     StepScheduler,
     StoredProgress,
 )
-from services.scheduler.core.view import ClusterView, InstanceView
+from services.scheduler.core.view import ClusterView, InstanceView, serves
 
 __all__ = [
     "POLICIES",
@@ -60,4 +60,5 @@ __all__ = [
     "make_config",
     "make_policy",
     "policy_names",
+    "serves",
 ]

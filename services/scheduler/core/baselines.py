@@ -31,7 +31,7 @@ from services.scheduler.core.base import LogCursor
 from services.scheduler.core.decisions import BatchOutcome, Decisions, StepAssignment
 from services.scheduler.core.load import instance_token_steps_per_s
 from services.scheduler.core.request import Request, RequestStatus
-from services.scheduler.core.view import ClusterView
+from services.scheduler.core.view import ClusterView, serves
 
 
 class InfaasConfig(BaseModel):
@@ -154,7 +154,7 @@ class DispatchPolicy:
         else:
             target = self.next_instance(view, request)
         inst = view.instances.get(target or "")
-        if inst is None or not inst.alive:
+        if inst is None or not inst.alive or not serves(inst.model, request.model):
             return
         migrate = target != request.instance_id
         if migrate and self._running[inst.row] >= inst.max_batch:
@@ -208,7 +208,7 @@ class InfaasPolicy(DispatchPolicy):
         self._instance_waiting: dict[str, int] = {}  # instance id -> requests waiting
 
     def dispatch(self, view: ClusterView, request: Request) -> str | None:
-        alive = view.alive_instances()
+        alive = view.alive_instances(request.model)
         if not alive:
             return None
         loads = np.array([self._instance_work.get(i.instance_id, 0.0) / instance_token_steps_per_s(i) for i in alive])
@@ -286,8 +286,11 @@ class LlumnixPolicy(DispatchPolicy):
 
     def dispatch(self, view: ClusterView, request: Request) -> str | None:
         freeness = self.freeness(view, for_dispatch=True)
+        rows = view.table.serving_rows(request.model)
+        if rows is not None:  # only instances of its model
+            freeness = np.where(rows, freeness, -np.inf)
         if not len(freeness) or freeness.max() == -np.inf:
-            return None  # no live instance
+            return None  # no live instance (of its model)
         return view.row_to_instance_id[int(freeness.argmax())]
 
     def on_pin(self, request: Request, instance_id: str) -> None:
@@ -336,21 +339,26 @@ class LlumnixPolicy(DispatchPolicy):
         self._pair(view)
 
     def _pair(self, view: ClusterView) -> None:
+        """Sources and destinations paired among the instances of one model at a time."""
         freeness = self.freeness(view, for_dispatch=False)
         threshold = self.config.migrate_threshold
         busy = np.array([iid in self.migrating_instance_ids for iid in view.row_to_instance_id])
         rows = np.arange(len(freeness))
-        sources = rows[(freeness < threshold) & np.isfinite(freeness) & ~busy]
-        sources = sources[np.argsort(freeness[sources], kind="stable")]
-        dests = rows[(freeness > threshold) & ~busy]
-        dests = dests[np.argsort(-freeness[dests], kind="stable")]
-        for s, d in zip(sources.tolist(), dests.tolist(), strict=False):
-            self._try_pair(view, s, d, freeness)
+        models = view.table.models
+        row_models = np.array(view.table.row_models) if len(models) > 1 else None
+        for model in sorted(models):
+            group = np.ones(len(rows), dtype=bool) if row_models is None else row_models == model
+            sources = rows[(freeness < threshold) & np.isfinite(freeness) & ~busy & group]
+            sources = sources[np.argsort(freeness[sources], kind="stable")]
+            dests = rows[(freeness > threshold) & ~busy & group]
+            dests = dests[np.argsort(-freeness[dests], kind="stable")]
+            for s, d in zip(sources.tolist(), dests.tolist(), strict=False):
+                self._try_pair(view, s, d, freeness)
 
     def _try_pair(self, view: ClusterView, s: int, d: int, freeness: np.ndarray) -> None:
         source, dest = view.instance_at(s), view.instance_at(d)
         candidate = self._shortest_running(view, source)
-        if candidate is None:
+        if candidate is None or not serves(dest.model, candidate.model):
             return
         f_dest = self._freeness_after(view, d, +candidate.context_tokens, +1)
         f_source = self._freeness_after(view, s, -candidate.context_tokens, -1)
@@ -385,7 +393,8 @@ class LlumnixPolicy(DispatchPolicy):
             return request.instance_id or ""
         del self.rid_to_destination_id[request.request_id]
         inst = view.instances.get(dest)
-        room = inst is not None and inst.alive and self._running[inst.row] < inst.max_batch
+        room = (inst is not None and inst.alive and serves(inst.model, request.model)
+                and self._running[inst.row] < inst.max_batch)
         if not room or view.table.mem_free[inst.row] < request.context_tokens:
             self._end_migration(request.request_id)  # abort: the request stays where it is
             return request.instance_id or ""

@@ -135,6 +135,7 @@ class DiLaServePolicy:
         self._capacity_version = -1
         self._token_steps_per_s = 0.0
         self._kappa = 1.0
+        self._model_capacity: dict[str, tuple[float, float]] = {}  # model -> (token-steps/s, kappa) of its instances
         self.capacity = 0.0  # last capacity C (token-steps), for diagnostics
         self.worst_case_load = 0.0  # last sum of L_r at each request's allowed maximum
 
@@ -235,14 +236,28 @@ class DiLaServePolicy:
         self.table.upsert_many(requests, recompute, cache, ranges, protected)
 
     def _control_load(self, view: ClusterView) -> None:
+        """Algorithm 2; with several models, per model against the capacity of its instances."""
         if view.num_instance_changes != self._capacity_version:
             self._capacity_version = view.num_instance_changes
             self._token_steps_per_s = cluster_token_steps_per_s(view)
             self._kappa = cache_step_weight(view)
+            self._model_capacity = {}
         window = self.config.slo_window
-        window_s = window if isinstance(window, float | int) else self.table.slo_window(window)
-        self.capacity = self._token_steps_per_s * window_s
-        self.worst_case_load = self.load_controller.run(self.table, self.capacity, self._kappa)
+        model_rows = self.table.model_rows()
+        if model_rows is None:
+            window_s = window if isinstance(window, float | int) else self.table.slo_window(window)
+            self.capacity = self._token_steps_per_s * window_s
+            self.worst_case_load = self.load_controller.run(self.table, self.capacity, self._kappa)
+            return
+        self.capacity = self.worst_case_load = 0.0
+        for model, rows in model_rows.items():
+            if model not in self._model_capacity:  # model -> (token-steps per second, kappa) of its instances
+                self._model_capacity[model] = (cluster_token_steps_per_s(view, model), cache_step_weight(view, model))
+            token_steps_per_s, kappa = self._model_capacity[model]
+            window_s = window if isinstance(window, float | int) else self.table.slo_window(window, rows)
+            capacity = token_steps_per_s * window_s
+            self.capacity += capacity
+            self.worst_case_load += self.load_controller.run(self.table, capacity, kappa, rows)
 
     # placement (Algorithm 3)
 
@@ -267,14 +282,18 @@ class DiLaServePolicy:
         rejected = {r.request_id for r in decisions.rejections}
         placed = []
         num_misses = 0
+        full_models: set[str] = set()  # models with no free slot left this event: their requests wait
         for request in view.iter_queued():
             if scratch.num_free_slots <= 0 or num_misses >= MAX_QUEUE_MISSES:
                 break
-            if request.request_id in rejected:
+            if request.request_id in rejected or request.model in full_models:
                 continue
             placement = self.placer.place_new(scratch, request)
             if placement is None:
-                num_misses += 1
+                if scratch.has_free_slot(request.model):
+                    num_misses += 1  # memory keeps it out
+                else:
+                    full_models.add(request.model)  # not a miss: another model's requests may still fit
                 continue
             rejection = self._infeasible(now, view, scratch, request, placement)
             if rejection is not None:
@@ -360,14 +379,23 @@ class DiLaServePolicy:
 
     def _expected_batch(self, table, rows: np.ndarray) -> np.ndarray:
         """The batch each instance runs once the active requests (running and queued) are spread
-        over the live instances in proportion to their max batches (capped at the max batch)."""
+        over the live instances in proportion to their max batches (capped at the max batch); with
+        several models, each model's requests over the instances that serve it."""
         n = table.num_rows
         slots = np.where(table.alive[:n], table.max_batch[:n], 0)
-        total = int(slots.sum())
-        if total <= 0:
-            return table.batch[rows]
-        share = np.ceil(len(self.table) * table.max_batch[rows] / total).astype(np.int64)
-        return np.minimum(share, table.max_batch[rows])
+        model_rows = self.table.model_rows()
+        if model_rows is None:
+            total = np.full(len(rows), int(slots.sum()))
+            active = np.full(len(rows), len(self.table))
+        else:
+            total, active = np.zeros(len(rows), dtype=np.int64), np.zeros(len(rows), dtype=np.int64)
+            for k, row in enumerate(rows.tolist()):
+                model = table.row_models[row]
+                serving = table.serving_rows(model)
+                total[k] = int(slots.sum() if serving is None else slots[serving].sum())
+                active[k] = len(model_rows.get(model, ()))
+        share = np.ceil(active * table.max_batch[rows] / np.maximum(total, 1)).astype(np.int64)
+        return np.where(total > 0, np.minimum(share, table.max_batch[rows]), table.batch[rows])
 
     def _infeasible(
         self, now: float, view: ClusterView, scratch: PlacementScratch, request: Request, placement: Placement

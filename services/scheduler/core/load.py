@@ -19,6 +19,9 @@ Capacity over the SLO window W:
 (``B_i`` the instance's max batch, ``ctx_profile`` the context length its profile was measured at):
 the token-steps the cluster can run in one window. W is the mean SLO of the active requests by
 default (the minimum, or a fixed number, by configuration: paper section 3.5 for mixed SLOs).
+
+With several models, each model's requests are controlled against the capacity (and W, and kappa)
+of the instances that serve it (``view.serves``): a model's load never borrows another's GPUs.
 """
 
 from __future__ import annotations
@@ -43,17 +46,19 @@ def instance_token_steps_per_s(inst: InstanceView) -> float:
     return profile.token_steps_per_s(inst.tp, inst.max_batch) * max(profile.context_tokens, 1)
 
 
-def cache_step_weight(view: ClusterView) -> float:
-    """kappa: a cache step's cost as a fraction of a recompute step's, at full batch."""
+def cache_step_weight(view: ClusterView, model: str = "") -> float:
+    """kappa: a cache step's cost as a fraction of a recompute step's, at full batch (over the live
+    instances that serve ``model``; "": all)."""
     ratios = [
         inst.profile.beta(inst.tp, inst.max_batch) / inst.profile.alpha(inst.tp, inst.max_batch)
-        for inst in view.alive_instances()
+        for inst in view.alive_instances(model)
     ]
     return statistics.median(ratios) if ratios else 1.0
 
 
-def cluster_token_steps_per_s(view: ClusterView) -> float:
-    return sum(instance_token_steps_per_s(inst) for inst in view.alive_instances())
+def cluster_token_steps_per_s(view: ClusterView, model: str = "") -> float:
+    """The token-steps per second of the live instances that serve ``model`` ("": all)."""
+    return sum(instance_token_steps_per_s(inst) for inst in view.alive_instances(model))
 
 
 class LoadTable:
@@ -66,6 +71,7 @@ class LoadTable:
     def __init__(self, num_thresholds: int, initial_rows: int = 256) -> None:
         self.num_thresholds = num_thresholds
         self.rid_to_row: dict[str, int] = {}  # request id -> row
+        self.model_to_code: dict[str, int] = {}  # request model -> its code in ``model_code`` (every model seen)
         self._free_rows: list[int] = []
         self._num_rows = 0
         self._order: np.ndarray | None = None  # active rows sorted (priority desc, seq); None: stale
@@ -80,6 +86,7 @@ class LoadTable:
 
         k = self.num_thresholds
         self.priority = grow(getattr(self, "priority", None), (size,), np.int64)
+        self.model_code = grow(getattr(self, "model_code", None), (size,), np.int64)
         self.seq = grow(getattr(self, "seq", None), (size,), np.int64)
         self.tokens = grow(getattr(self, "tokens", None), (size,), np.float64)
         self.slo = grow(getattr(self, "slo", None), (size,), np.float64)
@@ -130,6 +137,7 @@ class LoadTable:
             row, self._num_rows = self._num_rows, self._num_rows + 1
         self.rid_to_row[request.request_id] = row
         self.priority[row], self.seq[row] = request.priority, request.seq
+        self.model_code[row] = self.model_to_code.setdefault(request.model, len(self.model_to_code))
         self.tokens[row], self.slo[row] = request.context_tokens, request.slo_s
         self._order = None
         return row
@@ -147,8 +155,18 @@ class LoadTable:
             self._order = rows[np.lexsort((self.seq[rows], -self.priority[rows]))]
         return self._order
 
-    def slo_window(self, mode: SloWindow) -> float:
+    def model_rows(self) -> dict[str, np.ndarray] | None:
+        """Request model -> its active rows in the controller's order; None while every request seen
+        so far is of one model (then ``ordered_rows`` is that model's)."""
+        if len(self.model_to_code) <= 1:
+            return None
         rows = self.ordered_rows()
+        codes = self.model_code[rows]
+        return {model: rows[codes == code] for model, code in self.model_to_code.items()}
+
+    def slo_window(self, mode: SloWindow, rows: np.ndarray | None = None) -> float:
+        """The SLO window of the active rows (or of ``rows``)."""
+        rows = self.ordered_rows() if rows is None else rows
         if not len(rows):
             return 0.0
         return float(self.slo[rows].min() if mode == SloWindow.MIN else self.slo[rows].mean())
@@ -172,9 +190,10 @@ class LoadController:
     non-monotone predictions it can grow again, and then every request is visited).
     """
 
-    def run(self, table: LoadTable, capacity: float, kappa: float) -> float:
-        """Write ``table.allowed_hi`` for every active row; return the worst-case load."""
-        rows = table.ordered_rows()
+    def run(self, table: LoadTable, capacity: float, kappa: float, rows: np.ndarray | None = None) -> float:
+        """Write ``table.allowed_hi`` for every active row (or for ``rows``, in the controller's order:
+        one model's requests against that model's capacity); return the worst-case load."""
+        rows = table.ordered_rows() if rows is None else rows
         if not len(rows):
             return 0.0
         loads = table.loads(rows, kappa)

@@ -22,6 +22,11 @@ resumes from there with a recompute step, on whichever instance placement choose
 
 ``unplaceable`` names queued requests larger than every live instance's whole memory: the loop
 rejects them (``NO_INSTANCE``) instead of letting them wait for ever.
+
+Both go by model (``view.serves``): a queued request is compared with, and makes room only on, live
+instances of its model, so its victims are requests of that model; a request whose model has no live
+instance waits (as every request does while no instance is live), and one larger than every live
+instance of its model is rejected.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import numpy as np
 
 from services.scheduler.core.decisions import Preemption
 from services.scheduler.core.request import CacheMode, Request, RequestStatus
-from services.scheduler.core.view import ClusterView, StepCost
+from services.scheduler.core.view import ClusterView, StepCost, serves
 
 MAX_HEADS = 8  # queued requests looked at per pass
 
@@ -72,22 +77,32 @@ class Preemptor:
         self._instances_seen = -1  # ClusterView.num_instance_changes when the whole queue was last checked
 
     def unplaceable(self, view: ClusterView) -> list[tuple[Request, int]]:
-        """Queued requests whose context exceeds every live instance's memory, with that largest memory
-        (none while no instance is live: one may yet join). Looks at the arrivals since the last call,
+        """Queued requests whose context exceeds the memory of every live instance of their model, with
+        that largest memory (none while no instance of their model is live: one may yet join). Looks at the arrivals since the last call,
         and at the whole queue when the instances changed."""
         table = view.table
         n = table.num_rows
         new_ids, self._arrivals_seen = view.arrival_log.since(self._arrivals_seen)
         if not n or not table.alive[:n].any() or not view.num_queued:
             return []
-        largest = int(table.mem_limit[:n][table.alive[:n]].max())
         if view.num_instance_changes != self._instances_seen:
             self._instances_seen = view.num_instance_changes
             candidates = view.iter_queued()
         else:
             candidates = (r for rid in new_ids if (r := view.requests.get(rid)) is not None
                           and r.status == RequestStatus.QUEUED)
-        return [(r, largest) for r in candidates if r.context_tokens > largest]
+        model_to_largest: dict[str, int] = {}  # model -> its live instances' largest memory (0: none live)
+        out = []
+        for r in candidates:
+            if r.model not in model_to_largest:
+                alive = table.alive[:n]
+                rows = table.serving_rows(r.model)
+                alive = alive if rows is None else alive & rows
+                model_to_largest[r.model] = int(table.mem_limit[:n][alive].max()) if alive.any() else 0
+            largest = model_to_largest[r.model]
+            if largest and r.context_tokens > largest:  # none live of its model: it waits, one may yet join
+                out.append((r, largest))
+        return out
 
     def choose(self, now: float, view: ClusterView) -> list[Preemption]:
         config = self.config
@@ -107,6 +122,11 @@ class Preemptor:
                 break
             tokens = head.context_tokens
             slot = alive & (batch < table.max_batch[:n])
+            if not slot.any():
+                break  # no slot left anywhere this pass
+            rows = table.serving_rows(head.model)
+            if rows is not None:  # only instances of its model take it, or yield memory to it
+                slot = slot & rows
             fits = slot & (mem_free >= tokens)
             if fits.any():  # placeable: count it there (the fastest-emptiest guess) and look further
                 row = int(np.flatnonzero(fits)[np.argmax(mem_free[fits])])
@@ -114,7 +134,7 @@ class Preemptor:
                 batch[row] += 1
                 continue
             if not slot.any():
-                break  # no slot left anywhere this pass
+                continue  # no slot left for its model this pass
             best = self._victims_for(now, view, head, mem_free, batch, alive, taken)
             if best is None:
                 continue
@@ -135,7 +155,7 @@ class Preemptor:
         best: tuple[int, list[Request]] | None = None
         for inst in view.instances.values():
             row = inst.row
-            if not alive[row] or int(table.mem_limit[row]) < head.context_tokens:
+            if not alive[row] or not serves(inst.model, head.model) or int(table.mem_limit[row]) < head.context_tokens:
                 continue
             at = min(max(int(batch[row]), 1), int(table.max_batch[row]))  # the batch the head would run in
             head_s = remaining_seconds(head, float(table.lat_by_batch[StepCost.RECOMPUTE, row, at]),

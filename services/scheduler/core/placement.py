@@ -2,7 +2,7 @@
 
 On every scheduling event each runnable request's next step goes to the instance with the lowest
 profiled step latency at the batch it would run in (its current instance: the current batch; any
-other: one more), among instances with a free batch slot and enough memory. A request already on an
+other: one more), among instances of its model (``view.serves``) with a free batch slot and enough memory. A request already on an
 instance moves only when another is faster by ``margin`` (relative), only at a recompute step when
 it uses a KV cache (the cache is rebuilt then anyway), and not again within ``cooldown_steps`` of its
 last move: the margin and the cooldown together stop ping-pong between two similar instances.
@@ -47,6 +47,14 @@ class PlacementScratch:
         room = np.where(table.alive[:n], table.max_batch[:n] - self.batch, 0)
         self.num_free_slots = int(np.clip(room, 0, None).sum())
 
+    def has_free_slot(self, model: str) -> bool:
+        """Some live instance of ``model`` has a free batch slot in this event's numbers."""
+        rows = self.table.serving_rows(model)
+        if rows is None:
+            return self.num_free_slots > 0
+        n = len(self.batch)
+        return bool((rows & self.table.alive[:n] & (self.batch < self.table.max_batch[:n])).any())
+
     def join(self, row: int, tokens: int) -> None:
         self.mem_free[row] -= tokens
         self._set_batch(row, self.batch[row] + 1)
@@ -74,7 +82,7 @@ class Placer:
 
     def place_new(self, scratch: PlacementScratch, request: Request) -> Placement | None:
         """A queued request: the fastest instance that can take it, or None."""
-        found = self._best(scratch, step_cost(request), request.context_tokens, -1)
+        found = self._best(scratch, step_cost(request), request.context_tokens, -1, request.model)
         return None if found is None else Placement(found[0], found[1], False)
 
     def place_resident(self, scratch: PlacementScratch, request: Request, row: int, alive: bool) -> Placement | None:
@@ -87,14 +95,14 @@ class Placer:
         """
         kind = step_cost(request)
         if not alive:
-            found = self._best(scratch, kind, request.context_tokens, row)
+            found = self._best(scratch, kind, request.context_tokens, row, request.model)
             if found is None:
                 return Placement(row, float(scratch.lat_now[kind, row]), False) if row >= 0 else None
             return Placement(found[0], found[1], True)
         stay = Placement(row, float(scratch.lat_now[kind, row]), False)
         if not self.may_migrate(request):
             return stay
-        found = self._best(scratch, kind, request.context_tokens, row)
+        found = self._best(scratch, kind, request.context_tokens, row, request.model)
         if found is None or found[1] >= stay.latency_s * (1.0 - self.config.margin):
             return stay
         return Placement(found[0], found[1], True)
@@ -102,20 +110,21 @@ class Placer:
     def stay_at_block_start(self, scratch: PlacementScratch, requests: list[Request], row: int) -> list[bool]:
         """Would ``place_resident`` keep each of these requests (all on ``row``) there if its next step
         started a block? Asked one step ahead, for the service's pipelining, on this event's numbers;
-        the best other instance is found once per step kind, with memory for the smallest request
-        (so a "stay" is never more likely than in the pass)."""
+        the best other instance is found once per step kind and model, with memory for the smallest
+        request (so a "stay" is never more likely than in the pass)."""
         config = self.config
         if not config.migration:
             return [True] * len(requests)
-        kinds = [StepCost.FULL if r.cache_mode == CacheMode.NONE else StepCost.RECOMPUTE for r in requests]
+        keys = [(StepCost.FULL if r.cache_mode == CacheMode.NONE else StepCost.RECOMPUTE, r.model) for r in requests]
         tokens = min((r.context_tokens for r in requests), default=0)
-        would_move: dict[StepCost, bool] = {}
-        for kind in set(kinds):
-            found = self._best(scratch, kind, tokens, row)
-            would_move[kind] = found is not None and found[1] < float(scratch.lat_now[kind, row]) * (1.0 - config.margin)
+        would_move: dict[tuple[StepCost, str], bool] = {}  # (step kind, model) -> a faster instance exists
+        for kind, model in dict.fromkeys(keys):
+            found = self._best(scratch, kind, tokens, row, model)
+            would_move[kind, model] = (found is not None
+                                       and found[1] < float(scratch.lat_now[kind, row]) * (1.0 - config.margin))
         return [
-            not would_move[kind] or r.num_steps_done + 1 - r.last_migration_step < config.cooldown_steps
-            for r, kind in zip(requests, kinds, strict=True)
+            not would_move[key] or r.num_steps_done + 1 - r.last_migration_step < config.cooldown_steps
+            for r, key in zip(requests, keys, strict=True)
         ]
 
     def may_migrate(self, request: Request) -> bool:
@@ -126,10 +135,15 @@ class Placer:
             return False
         return request.num_steps_done - request.last_migration_step >= config.cooldown_steps
 
-    def _best(self, scratch: PlacementScratch, kind: StepCost, tokens: int, exclude_row: int) -> tuple[int, float] | None:
+    def _best(self, scratch: PlacementScratch, kind: StepCost, tokens: int, exclude_row: int,
+              model: str) -> tuple[int, float] | None:
+        """The fastest row of ``model`` (``InstanceTable.serving_rows``) with a free slot and ``tokens``
+        of memory, other than ``exclude_row``: (row, its next step's latency), or None."""
         latency = scratch.lat_next[kind]
-        if exclude_row >= 0 or (scratch.mem_free < tokens).any():
-            latency = np.where(scratch.mem_free >= tokens, latency, np.inf)
+        rows = scratch.table.serving_rows(model)
+        if exclude_row >= 0 or rows is not None or (scratch.mem_free < tokens).any():
+            ok = scratch.mem_free >= tokens
+            latency = np.where(ok if rows is None else ok & rows, latency, np.inf)
             if exclude_row >= 0:
                 latency[exclude_row] = np.inf
         row = int(latency.argmin()) if len(latency) else 0

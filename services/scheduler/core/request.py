@@ -57,6 +57,7 @@ class Request:
     cache_mode: CacheMode = CacheMode.DUAL
     min_threshold: float = 0.0  # quality floor: no step runs below it
     max_threshold: float = 1.0
+    model: str = ""  # the model the client named: it runs only on instances of it (view.serves); "": any
     # set by ClusterView
     seq: int = -1  # admission order, the tie-break of last resort
     status: RequestStatus = RequestStatus.QUEUED

@@ -174,10 +174,12 @@ class StepScheduler:
         self.loop.on_prediction(now, request_id, prediction)
 
     def add_instance(self, now: float, instance_id: str, tp: int, profile: LatencyProfile, *, node_id: str = "",
-                     max_batch: int | None = None, mem_limit_tokens: int | None = None) -> StepDecisions:
-        """``mem_limit_tokens``: the KV tokens it holds (its worker's budget); None: the view's default."""
+                     max_batch: int | None = None, mem_limit_tokens: int | None = None,
+                     model: str = "") -> StepDecisions:
+        """``mem_limit_tokens``: the KV tokens it holds (its worker's budget); None: the view's default.
+        ``model``: the model it serves (only that model's requests run there: ``view.serves``)."""
         self.view.add_instance(instance_id, tp, profile, node_id=node_id, max_batch=max_batch,
-                               mem_limit_tokens=mem_limit_tokens)
+                               mem_limit_tokens=mem_limit_tokens, model=model)
         self._instances[instance_id] = InstanceSteps()
         return self.tick(now)
 

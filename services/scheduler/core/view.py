@@ -30,6 +30,17 @@ class StepCost(IntEnum):
     CACHE = 2  # cache step (beta)
 
 
+def serves(instance_model: str, request_model: str) -> bool:
+    """The one rule for "this instance can run this request's steps": it serves the request's model.
+
+    Placement, migration, preemption, load control and the KV budget all ask it (directly, or through
+    ``InstanceTable.serving_rows``, its vectorised form), and ``ClusterView`` refuses an assignment
+    that breaks it. A request that names no model (``""``) runs on any instance: the one-model
+    cluster of before, where requests never said which model they wanted.
+    """
+    return not request_model or instance_model == request_model
+
+
 def step_cost(request: Request) -> StepCost:
     if request.cache_mode == CacheMode.NONE:
         return StepCost.FULL
@@ -46,6 +57,7 @@ class InstanceView:
     max_batch: int
     mem_limit_tokens: int  # context tokens it can hold (KV cache / activations)
     node_id: str = ""
+    model: str = ""  # the model it serves (``serves``: only that model's requests run here)
     row: int = -1  # index into InstanceTable arrays
     alive: bool = True  # False while draining: takes no new requests
     resident_ids: dict[str, None] = field(default_factory=dict)  # ordered set of request ids
@@ -76,9 +88,27 @@ class InstanceTable:
         # kind, row -> step latency at the current batch / at one more request (inf if full or dead)
         self.lat_now = np.zeros((3, 0))
         self.lat_next = np.zeros((3, 0))
+        self.row_models: list[str] = []  # row -> the model its instance serves
+        self._model_to_rows: dict[str, np.ndarray | None] = {}  # request model -> serving_rows (this table's rows)
+
+    @property
+    def models(self) -> set[str]:
+        """The models of every row (dead ones included: a row's model never changes)."""
+        return set(self.row_models)
+
+    def serving_rows(self, model: str) -> np.ndarray | None:
+        """The rows whose instance may run a request of ``model`` (``serves``), as a boolean mask over
+        ``num_rows``; None when that is every row (one model in the table, or a request that names
+        none): callers then skip the mask, so a one-model cluster pays nothing for it."""
+        if model not in self._model_to_rows:
+            mask = np.fromiter((serves(m, model) for m in self.row_models), dtype=bool, count=self.num_rows)
+            self._model_to_rows[model] = None if mask.all() else mask
+        return self._model_to_rows[model]
 
     def add(self, inst: InstanceView) -> int:
         row = self.num_rows
+        self.row_models.append(inst.model)
+        self._model_to_rows.clear()
         self._grow(row + 1, inst.max_batch + 2)
         self.num_rows += 1
         self.alive[row] = True
@@ -182,14 +212,15 @@ class ClusterView:
         node_id: str = "",
         max_batch: int | None = None,
         mem_limit_tokens: int | None = None,
+        model: str = "",
     ) -> InstanceView:
-        """Register an instance. Defaults: the profile's largest batch, and memory for that many
-        requests of the profile's context length."""
+        """Register an instance serving ``model``. Defaults: the profile's largest batch, and memory for
+        that many requests of the profile's context length."""
         if instance_id in self.instances:
             raise ValueError(f"instance {instance_id} already exists")
         max_batch = max_batch or profile.max_batch(tp)
         mem = mem_limit_tokens if mem_limit_tokens is not None else max_batch * max(profile.context_tokens, 1)
-        inst = InstanceView(instance_id, tp, profile, max_batch, mem, node_id=node_id)
+        inst = InstanceView(instance_id, tp, profile, max_batch, mem, node_id=node_id, model=model)
         inst.row = self.table.add(inst)
         self.row_to_instance_id.append(instance_id)
         self.instances[instance_id] = inst
@@ -276,8 +307,9 @@ class ClusterView:
         self._evict(request, behind=True)
         return holder
 
-    def alive_instances(self) -> list[InstanceView]:
-        return [inst for inst in self.instances.values() if inst.alive]
+    def alive_instances(self, model: str = "") -> list[InstanceView]:
+        """Live instances; with ``model``, those that may run its requests (``serves``)."""
+        return [inst for inst in self.instances.values() if inst.alive and serves(inst.model, model)]
 
     def instance_at(self, row: int) -> InstanceView:
         return self.instances[self.row_to_instance_id[row]]
@@ -393,6 +425,9 @@ class ClusterView:
 
     def _join(self, request: Request, instance_id: str) -> None:
         inst = self.instances[instance_id]
+        if not serves(inst.model, request.model):  # a policy's bug: never run a request on another model
+            raise ValueError(f"request {request.request_id} of model {request.model!r} assigned to instance "
+                             f"{instance_id} of model {inst.model!r}")
         inst.resident_ids[request.request_id] = None
         inst.mem_used_tokens += request.context_tokens
         self.table.mem_free[inst.row] -= request.context_tokens
