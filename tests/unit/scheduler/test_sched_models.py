@@ -251,3 +251,34 @@ def test_one_model_everywhere_masks_nothing():
     view.add_instance("i2", 1, toy_profile(), model="n")
     assert view.table.serving_rows("m").tolist() == [True, True, False]
     assert view.table.serving_rows("") is None  # a request that names no model runs anywhere
+
+
+def test_the_service_gives_the_core_each_heartbeats_model_and_each_records_model():
+    import asyncio
+    from types import SimpleNamespace
+
+    from services.scheduler.service import SchedulerService
+    from shared.messages import codec
+    from shared.messages.control import WorkerHeartbeat
+    from shared.settings import SchedulerSettings
+    from shared.state import InMemoryStateStore, RequestRecord
+    from tests.unit.scheduler.sched_builders import REPO
+
+    profile = str(REPO / "models" / "dls-tiny" / "calibration" / "profile.json")
+    service = SchedulerService(SchedulerSettings(), nc=None, js=None, store=InMemoryStateStore(),
+                               clock=lambda: 100.0, policy=make_policy("fixed", {}))
+
+    def beat(instance_id: str, model: str, seq: int) -> None:
+        hb = WorkerHeartbeat(instance_id=instance_id, node="local", tp=1, max_batch=4, model=model, ttl_s=6.0,
+                             sent_at=float(seq), seq=seq, started_at=1.0, profile=profile)
+        asyncio.run(service._on_heartbeat(SimpleNamespace(data=codec.encode(hb))))
+
+    beat("w0", "A", 1)
+    beat("w1", "B", 1)
+    assert {iid: inst.model for iid, inst in service.view.instances.items()} == {"w0": "A", "w1": "B"}
+    first_row = service.view.instances["w0"].row
+    beat("w0", "B", 2)  # the same id, now serving B: it left and joined again
+    assert service.view.instances["w0"].model == "B" and service.view.instances["w0"].row != first_row
+    record = RequestRecord(request_id="r", prompt_token_ids=[1, 2], canvas=[0] * 8, mask_token_id=0, gen_length=8,
+                           block_length=8, arrival_time=99.0, deadline=160.0, slo_ms=60_000.0, model="A")
+    assert service._track(record).model == "A"
