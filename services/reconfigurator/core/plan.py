@@ -85,6 +85,55 @@ class CapacityPlan:
 
 
 @dataclass(frozen=True)
+class DivisionPlan:
+    """Stage 1 for several models: each model's capacity plan, the joint objective and the moves.
+
+    ``objective`` is the joint one (per output token over every model's classes); each model's
+    ``CapacityPlan.objective`` is its own average over its own tokens. ``started_by_model`` counts the
+    instances Stage 1 starts beyond what runs now (model -> tp degree -> count) and ``switch_gpu_s``
+    their cost, ``sum switch_s x tp x started`` GPU-seconds not serving."""
+
+    plans_by_model: dict[str, CapacityPlan]  # model -> its plan
+    objective: Objective | None  # None: infeasible (fallback) division
+    started_by_model: dict[str, dict[int, int]]  # model -> tp degree -> instances started
+    switch_gpu_s: float = 0.0
+    fallback_reason: str | None = None
+    optimal: bool = True
+
+    @property
+    def feasible(self) -> bool:
+        return self.fallback_reason is None
+
+    @property
+    def instances_by_model_tp(self) -> dict[str, dict[int, int]]:
+        # model -> tp degree -> instances
+        return {name: dict(p.instances_by_tp) for name, p in self.plans_by_model.items()}
+
+    @property
+    def gpus_by_model(self) -> dict[str, int]:
+        return {name: p.num_gpus_used for name, p in self.plans_by_model.items()}
+
+    @property
+    def num_gpus_used(self) -> int:
+        return sum(self.gpus_by_model.values())
+
+    def to_dict(self) -> dict:
+        return {
+            "gpus_by_model": self.gpus_by_model,
+            "num_gpus_used": self.num_gpus_used,
+            "objective": self.objective.to_dict() if self.objective else None,
+            "started_by_model": {
+                name: {str(tp): n for tp, n in sorted(by_tp.items()) if n}
+                for name, by_tp in self.started_by_model.items()
+            },
+            "switch_gpu_s": round(self.switch_gpu_s, 3),
+            "fallback_reason": self.fallback_reason,
+            "optimal": self.optimal,
+            "models": {name: p.to_dict() for name, p in self.plans_by_model.items()},
+        }
+
+
+@dataclass(frozen=True)
 class NodePlan:
     """What one node's agent does: keep these instances, stop these, then start these."""
 
@@ -150,6 +199,42 @@ class PlacementPlan:
             "num_started": self.num_started,
             "optimal": self.optimal,
             "nodes": [n.to_dict() for n in self.nodes],
+        }
+
+
+@dataclass(frozen=True)
+class ModelPlacement:
+    """Stage 2 for several models: one ``PlacementPlan`` per model (its keep, stop and start lists).
+
+    A slot that changes model appears in one model's ``stop`` and another's ``start``: the node agent
+    stops every model's ``stop`` before it starts any ``start``."""
+
+    by_model: dict[str, PlacementPlan]  # model -> its keep/stop/start per node
+    optimal: bool = True
+
+    @property
+    def num_kept(self) -> int:
+        return sum(p.num_kept for p in self.by_model.values())
+
+    @property
+    def num_stopped(self) -> int:
+        return sum(p.num_stopped for p in self.by_model.values())
+
+    @property
+    def num_started(self) -> int:
+        return sum(p.num_started for p in self.by_model.values())
+
+    def target_instances_by_model(self) -> dict[str, list[Instance]]:
+        # model -> every instance of it running once the plan is applied
+        return {name: p.target_instances() for name, p in self.by_model.items()}
+
+    def to_dict(self) -> dict:
+        return {
+            "num_kept": self.num_kept,
+            "num_stopped": self.num_stopped,
+            "num_started": self.num_started,
+            "optimal": self.optimal,
+            "models": {name: p.to_dict() for name, p in self.by_model.items()},
         }
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from shared.profiles import LatencyProfile
+
 DEFAULT_THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9)
 DEFAULT_SAFETY_BUFFER = 0.2
 DEFAULT_BLOCK_LENGTH = 32
@@ -137,3 +139,28 @@ def uniform_cluster(num_nodes: int, gpus_per_node: int, tp_degrees: tuple[int, .
     """``num_nodes`` identical nodes named node-0.. with GPUs 0..gpus_per_node-1 and nothing running."""
     nodes = tuple(Node(f"node-{i}", tuple(range(gpus_per_node))) for i in range(num_nodes))
     return Cluster(nodes, tuple(sorted(tp_degrees)))
+
+
+@dataclass(frozen=True)
+class ModelDemand:
+    """One model of several sharing a cluster: its load, its calibration and what moving it costs.
+
+    ``switch_s`` is the seconds from deciding to start one of its instances to that instance serving
+    (drain the GPUs' previous instance, stop it, load this model's weights, warm up): from the
+    model's calibration or measured at start. ``min_instances`` is what it keeps with no load (0: it
+    may be scaled to zero). ``tp_degrees`` restricts the degrees it may run at (None: the cluster's),
+    e.g. a model whose weights need two GPUs; ``kv_budget_bytes`` is its KV memory per GPU (None:
+    ``Stage1Options.kv_budget_bytes``), which with its profile's KV bytes per token bounds its batches.
+    """
+
+    name: str
+    workload: Workload
+    profile: LatencyProfile
+    switch_s: float = 0.0
+    min_instances: int = 0
+    tp_degrees: tuple[int, ...] | None = None
+    kv_budget_bytes: int | None = None
+
+    @property
+    def has_load(self) -> bool:
+        return bool(self.workload.classes) and self.workload.total_rate > 0

@@ -1,29 +1,49 @@
-"""Stage 2: the minimal-disruption placement, an ILP in Pyomo solved by HiGHS.
+"""Stage 2: the minimal-disruption placement, an ILP in Pyomo solved by HiGHS, for one model or several.
 
-Nodes are interchangeable, so Stage 1 only fixes R[d], the number of instances per TP degree. A node
-n with GPUs G_n (sorted) offers floor(|G_n| / d) aligned *slots* of degree d: slot k holds GPUs
-G_n[k*d : (k+1)*d]. A running instance whose GPUs are not such a slot is a slot of its own, so that
-it too can be kept.
+Stage 1 fixes R[m,d], the number of instances of model m at TP degree d. A node n with GPUs G_n
+(sorted) offers floor(|G_n| / d) aligned *slots* of degree d: slot k holds GPUs G_n[k*d : (k+1)*d]. A
+running instance whose GPUs are not such a slot is a slot of its own, so that it too can be kept. With
+degrees that divide each other the aligned slots nest (any two are disjoint or one holds the other).
 
-Variables:   u[s] binary            slot s hosts an instance in the new plan
-Constraints: sum_{s holds g} u[s] <= 1      for every GPU g (no GPU used twice)
-             sum_{s of degree d} u[s] = R[d] for every degree d
-Objective:   maximise sum_{s is a running instance} u[s]   (instances kept in place)
+The ILP is built over node *types*, not over slots: nodes with the same GPUs and the same running
+instances (degree, GPUs, model) are interchangeable, so what matters is how many nodes of a type take
+each *node option*: a set of disjoint slots, summarised by its instances per degree v[d] and, per model
+and degree, how many of them are running instances of that model kc[m,d] (the ones it can keep). The
+options of a type are found by a dynamic programme over the nested slots (each slot: itself, or the
+options of the slots inside it combined), then over the subsets of its unaligned running instances.
+A 4-GPU node with TP 1, 2, 4 and nothing running has 10 options; an 8,192-GPU cluster a few types.
 
-Every chosen slot that is a running instance is kept; every other chosen slot starts an instance;
-every running instance not chosen is stopped.
+Variables:   n[t,o] integer in [0, N_t]   nodes of type t that take option o (N_t: nodes of type t)
+             l[t,o,m,d] integer           of those nodes' degree-d slots, how many serve model m
+             k[t,o,m,d] >= 0              how many of those are kept (running instances of m there)
+Constraints: sum_o n[t,o] = N_t                     every node takes one option (the empty one too)
+             sum_m l[t,o,m,d] = v_o[d] n[t,o]       every chosen slot serves one model
+             k[t,o,m,d] <= l[t,o,m,d], k[t,o,m,d] <= kc_o[m,d] n[t,o]
+             sum_{t,o} l[t,o,m,d] = R[m,d]          the instances Stage 1 asked for
+Objective:   maximise sum k                         instances kept in place
+
+With one model l = v n and k = kc n, so only n remains. The aggregation is exact: a model's keepable
+slots of one type are spread over its nodes greedily (each node keeps what the labels allow), the other
+labels fill the free slots; which of the interchangeable nodes get which option is canonical (the
+type's nodes in cluster order, options in the order found). Every chosen slot that is a running
+instance of the same model is kept; every other chosen slot starts an instance; every running instance
+not kept is stopped.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import pyomo.environ as pyo
 
 from . import solver as highs
-from .plan import NodePlan, PlacementPlan
-from .spec import Cluster, Instance
+from .plan import ModelPlacement, NodePlan, PlacementPlan
+from .spec import Cluster, Instance, Node
+
+SINGLE_MODEL = ""  # the model's name when ``solve_stage2`` places one
 
 
 class Stage2Infeasible(ValueError):
@@ -56,26 +76,53 @@ def solve_stage2(
     instances_by_tp: dict[int, int], cluster: Cluster, options: Stage2Options | None = None
 ) -> PlacementPlan:
     """Place ``instances_by_tp`` (tp degree -> count) keeping as many running instances as possible."""
+    running_models = {inst: SINGLE_MODEL for inst in cluster.placement}
+    placed = place_models({SINGLE_MODEL: instances_by_tp}, cluster, running_models, options)
+    return placed.by_model[SINGLE_MODEL]
+
+
+def place_models(
+    instances_by_model_tp: Mapping[str, Mapping[int, int]],
+    cluster: Cluster,
+    running_models: Mapping[Instance, str],
+    options: Stage2Options | None = None,
+) -> ModelPlacement:
+    """Place every model's instances (model -> tp degree -> count) on ``cluster``, keeping as many
+    running instances as possible; ``running_models`` names the model of every instance in
+    ``cluster.placement``. An instance keeps its model: a slot that changes model is a stop and a start."""
     options = options or Stage2Options()
-    _check_degrees(instances_by_tp, cluster)
-    slots = candidate_slots(cluster)
-    running = set(cluster.placement)
-    m = _build_model(slots, running, instances_by_tp, cluster)
+    for counts in instances_by_model_tp.values():
+        _check_degrees(counts, cluster)
+    unnamed = [inst for inst in cluster.placement if inst not in running_models]
+    if unnamed:
+        raise ValueError(f"running instances without a model: {unnamed[:3]}")
+    models = list(instances_by_model_tp)
+    models += sorted({running_models[i] for i in cluster.placement} - set(models))
+    layout = _Layout(cluster, models, running_models)
+    wanted = {
+        (mi, di): instances_by_model_tp.get(name, {}).get(d, 0)
+        for mi, name in enumerate(models)
+        for di, d in enumerate(layout.degrees)
+    }
+    m = _build_model(layout, wanted)
     status = highs.run(highs.make_highs(options.solver), m)
     if status == highs.SolveStatus.INFEASIBLE:
+        total = defaultdict(int)  # tp degree -> instances of every model
+        for counts in instances_by_model_tp.values():
+            for d, n in counts.items():
+                total[d] += n
         raise Stage2Infeasible(
-            f"cannot place {_describe(instances_by_tp)} on {cluster.num_gpus} GPUs "
+            f"cannot place {_describe(total)} on {cluster.num_gpus} GPUs "
             f"in {len(cluster.nodes)} nodes with aligned slots"
         )
     if status == highs.SolveStatus.FAILED:
         raise RuntimeError("Stage 2: HiGHS found no placement within its time limit")
-    chosen = {slots[i] for i in m.u if pyo.value(m.u[i]) > 0.5}
-    return PlacementPlan(
-        nodes=_node_plans(cluster, chosen, running), optimal=status == highs.SolveStatus.OPTIMAL
-    )
+    optimal = status == highs.SolveStatus.OPTIMAL
+    node_plans = _node_plans(cluster, _expand(m, layout), running_models, models)
+    return ModelPlacement({name: PlacementPlan(plans, optimal) for name, plans in node_plans.items()}, optimal)
 
 
-def _check_degrees(instances_by_tp: dict[int, int], cluster: Cluster) -> None:
+def _check_degrees(instances_by_tp: Mapping[int, int], cluster: Cluster) -> None:
     for d, count in instances_by_tp.items():
         if count > 0 and d not in cluster.tp_degrees:
             raise Stage2Infeasible(f"TP degree {d} is not allowed on this cluster ({cluster.tp_degrees})")
@@ -83,47 +130,260 @@ def _check_degrees(instances_by_tp: dict[int, int], cluster: Cluster) -> None:
             raise Stage2Infeasible(f"negative instance count for TP {d}")
 
 
-def _build_model(
-    slots: list[Instance], running: set[Instance], instances_by_tp: dict[int, int], cluster: Cluster
-) -> pyo.ConcreteModel:
+# --- node types and their options ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Slot:
+    tp: int
+    gpu_ids: tuple[int, ...]
+    model: int  # the model index of the instance running on exactly these GPUs (-1: none)
+
+
+@dataclass(frozen=True)
+class _NodeOption:
+    v: tuple[int, ...]  # degree index -> slots chosen
+    kc: tuple[int, ...]  # model index * num_degrees + degree index -> running instances among them
+    slots: tuple[_Slot, ...]  # one set of slots with these counts
+
+
+class _Layout:
+    """The cluster's nodes grouped into types, with every type's node options."""
+
+    def __init__(self, cluster: Cluster, models: list[str], running_models: Mapping[Instance, str]):
+        self.degrees = tuple(cluster.tp_degrees)
+        self.num_models = len(models)
+        model_index = {name: i for i, name in enumerate(models)}
+        running_by_node: dict[str, list[Instance]] = defaultdict(list)  # node -> its running instances
+        for inst in cluster.placement:
+            if inst.tp in self.degrees:
+                running_by_node[inst.node].append(inst)
+        # type signature -> node indices of that type, in cluster order
+        self.nodes_by_type: dict[tuple, list[int]] = defaultdict(list)
+        self.options_by_type: dict[tuple, list[_NodeOption]] = {}
+        self.nodes = cluster.nodes
+        # node index -> GPUs -> the instance running on exactly those
+        self.running_at: list[dict[tuple[int, ...], Instance]] = []
+        for i, node in enumerate(cluster.nodes):
+            running = {inst.gpu_ids: inst for inst in running_by_node.get(node.name, [])}
+            self.running_at.append(running)
+            signature = (
+                node.gpu_ids,
+                tuple(sorted((inst.tp, inst.gpu_ids, model_index[running_models[inst]]) for inst in running.values())),
+            )
+            self.nodes_by_type[signature].append(i)
+            if signature not in self.options_by_type:
+                self.options_by_type[signature] = self._options(node, signature[1])
+
+    def _zero(self) -> _NodeOption:
+        return _NodeOption((0,) * len(self.degrees), (0,) * (len(self.degrees) * self.num_models), ())
+
+    def _single(self, slot: _Slot) -> _NodeOption:
+        di = self.degrees.index(slot.tp)
+        v = tuple(1 if j == di else 0 for j in range(len(self.degrees)))
+        kc = [0] * (len(self.degrees) * self.num_models)
+        if slot.model >= 0:
+            kc[slot.model * len(self.degrees) + di] = 1
+        return _NodeOption(v, tuple(kc), (slot,))
+
+    def _options(self, node: Node, running: tuple[tuple[int, tuple[int, ...], int], ...]) -> list[_NodeOption]:
+        slot_model = {gpus: (tp, mi) for tp, gpus, mi in running}  # GPUs -> (degree, model) running there
+        aligned = {
+            node.slot_gpu_ids(d, k) for d in self.degrees for k in range(node.num_slots(d))
+        }
+        unaligned = [(tp, gpus, mi) for tp, gpus, mi in running if gpus not in aligned]
+        found: dict[tuple, _NodeOption] = {}
+        for size in range(len(unaligned) + 1):
+            for subset in itertools.combinations(unaligned, size):
+                blocked = [g for _, gpus, _ in subset for g in gpus]
+                if len(blocked) != len(set(blocked)):
+                    continue  # they overlap: not a valid choice
+                combined = [self._root_options(node, set(blocked), slot_model)]
+                combined += [[self._single(_Slot(tp, gpus, mi))] for tp, gpus, mi in subset]
+                for option in _minkowski_all(combined):
+                    found.setdefault((option.v, option.kc), option)
+        return list(found.values())
+
+    def _root_options(self, node: Node, blocked: set[int], slot_model: dict) -> list[_NodeOption]:
+        """The options over the node's aligned slots, none of them on a ``blocked`` GPU."""
+        degrees = [d for d in self.degrees if node.num_slots(d) > 0]
+        if not degrees:
+            return [self._zero()]
+
+        def options(level: int, start: int) -> list[_NodeOption]:
+            d = degrees[level]
+            if level == 0:
+                inside = [self._zero()]
+            else:
+                step = degrees[level - 1]
+                inside = _minkowski_all([options(level - 1, s) for s in range(start, start + d, step)])
+            gpus = node.gpu_ids[start : start + d]
+            if not blocked.intersection(gpus):
+                tp_model = slot_model.get(gpus)
+                model = tp_model[1] if tp_model is not None and tp_model[0] == d else -1
+                inside = [*inside, self._single(_Slot(d, gpus, model))]
+            return _dedupe(inside)
+
+        roots = []  # (level, start) of slots that no larger slot holds
+        covered = 0
+        for level in range(len(degrees) - 1, -1, -1):
+            d = degrees[level]
+            for k in range(covered // d, node.num_slots(d)):
+                roots.append((level, k * d))
+            covered = max(covered, node.num_slots(d) * d)
+        return _minkowski_all([options(level, start) for level, start in roots])
+
+
+def _dedupe(options: list[_NodeOption]) -> list[_NodeOption]:
+    found: dict[tuple, _NodeOption] = {}
+    for option in options:
+        found.setdefault((option.v, option.kc), option)
+    return list(found.values())
+
+
+def _minkowski_all(groups: list[list[_NodeOption]]) -> list[_NodeOption]:
+    """Every way of taking one option from each group (slots on disjoint GPUs), deduplicated."""
+    result = groups[0]
+    for group in groups[1:]:
+        result = _dedupe([
+            _NodeOption(
+                tuple(x + y for x, y in zip(a.v, b.v, strict=True)),
+                tuple(x + y for x, y in zip(a.kc, b.kc, strict=True)),
+                a.slots + b.slots,
+            )
+            for a in result
+            for b in group
+        ])
+    return result
+
+
+# --- the ILP -----------------------------------------------------------------------------------
+
+
+def _build_model(layout: _Layout, wanted: dict[tuple[int, int], int]) -> pyo.ConcreteModel:
     m = pyo.ConcreteModel(name="stage2")
-    m.u = pyo.Var(range(len(slots)), domain=pyo.Binary)
-    gpu_to_slot_ids: dict[tuple[str, int], list[int]] = defaultdict(list)  # (node, gpu id) -> slot indices
-    tp_to_slot_ids: dict[int, list[int]] = defaultdict(list)  # tp degree -> slot indices
-    for i, slot in enumerate(slots):
-        tp_to_slot_ids[slot.tp].append(i)
-        for gpu in slot.gpu_ids:
-            gpu_to_slot_ids[(slot.node, gpu)].append(i)
-    shared_gpus = [g for g, ids in gpu_to_slot_ids.items() if len(ids) > 1]
-    m.gpu_once = pyo.Constraint(
-        shared_gpus, rule=lambda m, node, gpu: sum(m.u[i] for i in gpu_to_slot_ids[(node, gpu)]) <= 1
+    types = list(layout.options_by_type)
+    num_degrees, num_models = len(layout.degrees), layout.num_models
+    m.pairs = [(t, o) for t, sig in enumerate(types) for o in range(len(layout.options_by_type[sig]))]
+    option = {(t, o): layout.options_by_type[types[t]][o] for t, o in m.pairs}  # (type, option) -> option
+    count = {t: len(layout.nodes_by_type[sig]) for t, sig in enumerate(types)}  # type -> nodes
+    m.types, m.option = types, option
+    m.n = pyo.Var(m.pairs, domain=pyo.NonNegativeIntegers, bounds=lambda _, t, o: (0, count[t]))
+    m.one_option = pyo.Constraint(
+        list(count), rule=lambda m, t: sum(m.n[t, o] for tt, o in m.pairs if tt == t) == count[t]
+    )
+    if num_models == 1:
+        m.count = pyo.Constraint(
+            range(num_degrees),
+            rule=lambda m, di: sum(option[p].v[di] * m.n[p] for p in m.pairs if option[p].v[di]) == wanted[(0, di)],
+        )
+        m.kept = pyo.Objective(expr=sum(sum(option[p].kc) * m.n[p] for p in m.pairs if sum(option[p].kc)),
+                               sense=pyo.maximize)
+        return m
+    labels = [(t, o, mi, di) for t, o in m.pairs for di in range(num_degrees) if option[(t, o)].v[di]
+              for mi in range(num_models)]
+    keepable = [(t, o, mi, di) for t, o, mi, di in labels if option[(t, o)].kc[mi * num_degrees + di]]
+    m.l = pyo.Var(labels, domain=pyo.NonNegativeIntegers)
+    m.k = pyo.Var(keepable, domain=pyo.NonNegativeReals)
+    # (type, option, degree) -> its label keys; (model, degree) -> label keys
+    by_slot_kind: dict[tuple[int, int, int], list] = defaultdict(list)
+    by_model_degree: dict[tuple[int, int], list] = defaultdict(list)
+    for key in labels:
+        t, o, mi, di = key
+        by_slot_kind[(t, o, di)].append(key)
+        by_model_degree[(mi, di)].append(key)
+    m.labelled = pyo.Constraint(
+        list(by_slot_kind),
+        rule=lambda m, t, o, di: sum(m.l[key] for key in by_slot_kind[(t, o, di)]) == option[(t, o)].v[di] * m.n[t, o],
+    )
+    m.kept_labelled = pyo.Constraint(keepable, rule=lambda m, *key: m.k[key] <= m.l[key])
+    m.kept_running = pyo.Constraint(
+        keepable,
+        rule=lambda m, t, o, mi, di: m.k[t, o, mi, di] <= option[(t, o)].kc[mi * num_degrees + di] * m.n[t, o],
     )
     m.count = pyo.Constraint(
-        list(cluster.tp_degrees),
-        rule=lambda m, d: sum(m.u[i] for i in tp_to_slot_ids[d]) == instances_by_tp.get(d, 0),
+        list(wanted),
+        rule=lambda m, mi, di: (
+            sum(m.l[key] for key in by_model_degree[(mi, di)]) == wanted[(mi, di)]
+            if by_model_degree[(mi, di)] or wanted[(mi, di)] else pyo.Constraint.Skip
+        ),
     )
-    kept = [i for i, slot in enumerate(slots) if slot in running]
-    m.kept = pyo.Objective(expr=sum(m.u[i] for i in kept), sense=pyo.maximize)
+    m.kept = pyo.Objective(expr=sum(m.k[key] for key in keepable), sense=pyo.maximize)
     return m
 
 
-def _node_plans(cluster: Cluster, chosen: set[Instance], running: set[Instance]) -> tuple[NodePlan, ...]:
-    # node -> "keep" / "stop" / "start" -> instances
-    node_to_lists: dict[str, dict[str, list[Instance]]] = defaultdict(lambda: defaultdict(list))
-    for inst in running:
-        node_to_lists[inst.node]["keep" if inst in chosen else "stop"].append(inst)
-    for inst in chosen - running:
-        node_to_lists[inst.node]["start"].append(inst)
-    return tuple(
-        NodePlan(
-            node.name,
-            keep=tuple(sorted(node_to_lists[node.name]["keep"])),
-            stop=tuple(sorted(node_to_lists[node.name]["stop"])),
-            start=tuple(sorted(node_to_lists[node.name]["start"])),
-        )
-        for node in cluster.nodes
-    )
+# --- from the solution to instances ----------------------------------------------------------------
 
 
-def _describe(instances_by_tp: dict[int, int]) -> str:
+def _expand(m: pyo.ConcreteModel, layout: _Layout) -> dict[int, list[tuple[Instance, int]]]:
+    """node index -> chosen (instance, model index): each type's nodes in order take the chosen
+    options, then every slot gets a model (its running model first, while that model's labels last)."""
+    num_degrees = len(layout.degrees)
+    chosen: dict[int, list[tuple[Instance, int]]] = defaultdict(list)
+    for t, sig in enumerate(m.types):
+        nodes = iter(layout.nodes_by_type[sig])
+        for o, option in enumerate(layout.options_by_type[sig]):
+            taken = int(round(pyo.value(m.n[t, o])))
+            if taken == 0:
+                continue
+            group = [next(nodes) for _ in range(taken)]
+            labels_left = {
+                (mi, di): (taken * option.v[di] if layout.num_models == 1 else int(round(pyo.value(m.l[t, o, mi, di]))))
+                for di in range(num_degrees) if option.v[di] for mi in range(layout.num_models)
+            }
+            _label(layout, group, option, labels_left, chosen)
+    return chosen
+
+
+def _label(
+    layout: _Layout,
+    group: list[int],
+    option: _NodeOption,
+    labels_left: dict[tuple[int, int], int],
+    chosen: dict[int, list[tuple[Instance, int]]],
+) -> None:
+    free: list[tuple[int, _Slot]] = []  # (node index, slot) still without a model
+    for i in group:
+        for slot in option.slots:
+            di = layout.degrees.index(slot.tp)
+            if slot.model >= 0 and labels_left.get((slot.model, di), 0) > 0:
+                labels_left[(slot.model, di)] -= 1
+                chosen[i].append((layout.running_at[i][slot.gpu_ids], slot.model))
+            else:
+                free.append((i, slot))
+    for i, slot in free:
+        di = layout.degrees.index(slot.tp)
+        mi = next(mi for mi in range(layout.num_models) if labels_left.get((mi, di), 0) > 0)
+        labels_left[(mi, di)] -= 1
+        chosen[i].append((Instance(layout.nodes[i].name, slot.tp, slot.gpu_ids), mi))
+
+
+def _node_plans(
+    cluster: Cluster,
+    chosen: dict[int, list[tuple[Instance, int]]],
+    running_models: Mapping[Instance, str],
+    models: list[str],
+) -> dict[str, tuple[NodePlan, ...]]:
+    """model -> its keep, stop and start lists on every node."""
+    # (node, model) -> its running instances there
+    running: dict[tuple[str, str], set[Instance]] = defaultdict(set)
+    for inst in cluster.placement:
+        running[(inst.node, running_models[inst])].add(inst)
+    plans: dict[str, list[NodePlan]] = {name: [] for name in models}
+    for i, node in enumerate(cluster.nodes):
+        target_by_model: dict[str, set[Instance]] = defaultdict(set)  # model -> its instances here
+        for inst, mi in chosen.get(i, []):
+            target_by_model[models[mi]].add(inst)
+        for name in models:
+            target, now = target_by_model[name], running[(node.name, name)]
+            plans[name].append(NodePlan(
+                node.name,
+                keep=tuple(sorted(now & target)),
+                stop=tuple(sorted(now - target)),
+                start=tuple(sorted(target - now)),
+            ))
+    return {name: tuple(p) for name, p in plans.items()}
+
+
+def _describe(instances_by_tp: Mapping[int, int]) -> str:
     return ", ".join(f"{n} x TP-{d}" for d, n in sorted(instances_by_tp.items()) if n) or "nothing"
