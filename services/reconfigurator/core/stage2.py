@@ -192,7 +192,7 @@ class _Layout:
             node.slot_gpu_ids(d, k) for d in self.degrees for k in range(node.num_slots(d))
         }
         unaligned = [(tp, gpus, mi) for tp, gpus, mi in running if gpus not in aligned]
-        found: dict[tuple, _NodeOption] = {}
+        found: list[_NodeOption] = []
         for size in range(len(unaligned) + 1):
             for subset in itertools.combinations(unaligned, size):
                 blocked = [g for _, gpus, _ in subset for g in gpus]
@@ -200,9 +200,8 @@ class _Layout:
                     continue  # they overlap: not a valid choice
                 combined = [self._root_options(node, set(blocked), slot_model)]
                 combined += [[self._single(_Slot(tp, gpus, mi))] for tp, gpus, mi in subset]
-                for option in _minkowski_all(combined):
-                    found.setdefault((option.v, option.kc), option)
-        return list(found.values())
+                found.extend(_minkowski_all(combined))
+        return _dedupe(found)
 
     def _root_options(self, node: Node, blocked: set[int], slot_model: dict) -> list[_NodeOption]:
         """The options over the node's aligned slots, none of them on a ``blocked`` GPU."""
@@ -235,10 +234,17 @@ class _Layout:
 
 
 def _dedupe(options: list[_NodeOption]) -> list[_NodeOption]:
-    found: dict[tuple, _NodeOption] = {}
+    """One option per (v, kc), and none whose kc another with the same v bounds from above: it keeps
+    no more running instances of any model, so it is never needed (and sums keep the order)."""
+    by_v: dict[tuple[int, ...], dict[tuple[int, ...], _NodeOption]] = defaultdict(dict)  # v -> kc -> option
     for option in options:
-        found.setdefault((option.v, option.kc), option)
-    return list(found.values())
+        by_v[option.v].setdefault(option.kc, option)
+    kept = []
+    for by_kc in by_v.values():
+        for kc, option in by_kc.items():
+            if not any(other != kc and all(a <= b for a, b in zip(kc, other, strict=True)) for other in by_kc):
+                kept.append(option)
+    return kept
 
 
 def _minkowski_all(groups: list[list[_NodeOption]]) -> list[_NodeOption]:
