@@ -1,7 +1,7 @@
-"""Reconfigurator benchmark: Stage 1 + Stage 2 solve times at 16, 256 and 1,024 GPUs, and the plans
-Stage 1 chooses across a sweep of arrival rates on 16 GPUs.
+"""Reconfigurator benchmark: Stage 1 + Stage 2 solve times at 16, 256, 1,024 and 8,192 GPUs, for two
+models sharing 64 GPUs, and the plans Stage 1 chooses across a sweep of arrival rates on 16 GPUs.
 
-    python -m bench.reconfig --json runs/bench-reconfig.json [--quick] [--repeats 3]
+    python -m bench.reconfig --json runs/bench-reconfig.json [--quick] [--repeats 3] [--models 2]
 
 Clusters are nodes of 4 GPUs with TP degrees 1, 2, 4 (16 GPUs = 4 nodes, 1,024 GPUs = 256 nodes).
 The workload is the example mix (``services/reconfigurator/examples/workload.json``), its rates
@@ -10,6 +10,14 @@ and 64 requests/s: all TP-4, a mix, lower thresholds), each starting from the pl
 as the running placement, so that Stage 2 has instances to keep, stop and start. ``solve_s`` is the
 median over all runs of one size of Stage 1 plus Stage 2 seconds (building the Pyomo models
 included). The profile is ``profiles/llada-8b-h100.json`` when present, else the built-in example.
+
+``scale`` times one model on 8,192 GPUs the same way (2,048 nodes of 4). ``models`` times ``--models``
+models (default 2; 0: skip) sharing 8 nodes of 8 GPUs with TP 1, 2, 4, 8, each with the example mix,
+a 60-s switch time and a minimum of one instance: at three loads (per 64 GPUs: 40, 120 and 200
+requests/s in all) split 3:1 between the first model and the others, each starting from the placement
+planned for the mirrored split (1:3), so that GPUs move between the models; ``solve_s`` is the median
+of Stage 1 (``divide_gpus``) plus Stage 2 (``place_models``). ``headline`` holds the two acceptance
+figures: one model on 8,192 GPUs and the models on 64 GPUs.
 
 In the sweep, a plan that fell back (Stage 1 infeasible: all TP-1) reports the lowest threshold as
 ``avg_threshold`` (what the load control then runs) with ``fallback: true``.
@@ -27,8 +35,8 @@ from bench.common import emit_json
 from services.reconfigurator.core.example_profile import EXAMPLE_PROFILE_PATH, example_profile
 from services.reconfigurator.core.files import load_workload
 from services.reconfigurator.core.plan import CapacityPlan
-from services.reconfigurator.core.planner import plan_reconfiguration
-from services.reconfigurator.core.spec import Cluster, Workload, uniform_cluster
+from services.reconfigurator.core.planner import plan_models, plan_reconfiguration
+from services.reconfigurator.core.spec import Cluster, Instance, ModelDemand, Workload, uniform_cluster
 from services.reconfigurator.core.stage1 import solve_stage1
 from services.reconfigurator.core.trigger import improvement_decision
 from shared.profiles import LatencyProfile
@@ -38,6 +46,10 @@ WORKLOAD_PATH = REPO_ROOT / "services" / "reconfigurator" / "examples" / "worklo
 GPUS_PER_NODE = 4
 TP_DEGREES = (1, 2, 4)
 SIZES = (16, 256, 1024)  # GPUs
+SCALE_SIZE = 8192  # GPUs: one model at scale
+MODELS_NODES, MODELS_GPUS_PER_NODE, MODELS_TP_DEGREES = 8, 8, (1, 2, 4, 8)
+MODELS_TIMED_RPS = (40.0, 120.0, 200.0)  # requests/s over every model, per 64 GPUs
+MODELS_SWITCH_S = 60.0
 TIMED_RPS_PER_16_GPUS = (8.0, 32.0, 64.0)
 SWEEP_RPS = (0.5, 1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 128)
 QUICK_SWEEP_RPS = (1, 8, 32, 64, 80, 128)
@@ -96,6 +108,60 @@ def time_size(num_gpus: int, workload: Workload, profile: LatencyProfile, repeat
     }
 
 
+def model_demands(workload: Workload, profile: LatencyProfile, num_models: int, rps: float, first_share: float):
+    """``num_models`` models with the example mix: ``first_share`` of ``rps`` on the first, the rest
+    split evenly between the others."""
+    rest = (1.0 - first_share) / max(1, num_models - 1)
+    shares = [first_share] + [rest] * (num_models - 1)
+    return tuple(
+        ModelDemand(f"model-{i}", at_rps(workload, rps * share), profile, switch_s=MODELS_SWITCH_S, min_instances=1)
+        for i, share in enumerate(shares)
+    )
+
+
+def time_models(workload: Workload, profile: LatencyProfile, num_models: int, repeats: int) -> dict:
+    cluster = uniform_cluster(MODELS_NODES, MODELS_GPUS_PER_NODE, MODELS_TP_DEGREES)
+    first_share = 0.75 if num_models > 1 else 1.0
+    runs = []
+    for rps in MODELS_TIMED_RPS:
+        mirrored = model_demands(workload, profile, num_models, rps, 1.0 - first_share if num_models > 1 else 1.0)
+        before = plan_models(mirrored, cluster, {}, "warm-start")
+        running: dict[Instance, str] = {
+            inst: name for name, insts in before.placement.target_instances_by_model().items() for inst in insts
+        }
+        start_from = cluster.with_placement(tuple(running))
+        for _ in range(repeats):
+            demands = model_demands(workload, profile, num_models, rps, first_share)
+            outcome = plan_models(demands, start_from, running, "bench")
+            division, placement = outcome.division, outcome.placement
+            runs.append(
+                {
+                    "rps": rps,
+                    "stage1_s": outcome.solve_s["stage1"],
+                    "stage2_s": outcome.solve_s["stage2"],
+                    "total_s": outcome.solve_s["stage1"] + outcome.solve_s["stage2"],
+                    "gpus_by_model": division.gpus_by_model,
+                    "avg_threshold": round(division.objective.avg_threshold, 4) if division.objective else None,
+                    "fallback": not division.feasible,
+                    "switch_gpu_s": round(division.switch_gpu_s, 1),
+                    "kept": placement.num_kept,
+                    "stopped": placement.num_stopped,
+                    "started": placement.num_started,
+                }
+            )
+    return {
+        "num_models": num_models,
+        "num_gpus": MODELS_NODES * MODELS_GPUS_PER_NODE,
+        "tp_degrees": list(MODELS_TP_DEGREES),
+        "switch_s": MODELS_SWITCH_S,
+        "solve_s": round(statistics.median(r["total_s"] for r in runs), 4),
+        "stage1_median_s": round(statistics.median(r["stage1_s"] for r in runs), 4),
+        "stage2_median_s": round(statistics.median(r["stage2_s"] for r in runs), 4),
+        "max_s": round(max(r["total_s"] for r in runs), 4),
+        "runs": [{k: round(v, 4) if isinstance(v, float) else v for k, v in r.items()} for r in runs],
+    }
+
+
 def sweep(workload: Workload, profile: LatencyProfile, rates: tuple[float, ...]) -> list[dict]:
     """Stage 1's plan at each rate on 16 GPUs; Stage 2 and the trigger from the previous applied plan."""
     cluster = uniform_cluster(4, GPUS_PER_NODE, TP_DEGREES)
@@ -135,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="write the result here too")
     parser.add_argument("--quick", action="store_true", help="one repeat, a shorter sweep")
     parser.add_argument("--repeats", type=int, default=3, help="runs per load level and size")
+    parser.add_argument("--models", type=int, default=2, help="models sharing 64 GPUs in the models case (0: skip)")
     args = parser.parse_args(argv)
     repeats = 1 if args.quick else args.repeats
     profile, profile_name = load_profile()
@@ -142,8 +209,18 @@ def main(argv: list[str] | None = None) -> int:
     solve_stage1(workload, uniform_cluster(1, 1, (1,)), profile)  # warm imports and HiGHS once
     started = time.perf_counter()
     sizes = {str(n): time_size(n, workload, profile, repeats) for n in SIZES}
+    scale = time_size(SCALE_SIZE, workload, profile, repeats)
+    models = time_models(workload, profile, args.models, repeats) if args.models > 0 else None
     result = {
         "solve_s": {n: round(s["median_s"], 4) for n, s in sizes.items()},
+        "headline": {
+            f"one_model_{SCALE_SIZE}_gpus_solve_s": round(scale["median_s"], 4),
+            f"one_model_{SCALE_SIZE}_gpus_max_s": round(scale["max_s"], 4),
+            **({f"{args.models}_models_64_gpus_solve_s": models["solve_s"],
+                f"{args.models}_models_64_gpus_max_s": models["max_s"]} if models else {}),
+        },
+        "scale": {str(SCALE_SIZE): {k: (round(v, 4) if isinstance(v, float) else v) for k, v in scale.items()}},
+        "models": models,
         "plans": sweep(workload, profile, QUICK_SWEEP_RPS if args.quick else SWEEP_RPS),
         "sizes": {
             n: {k: (round(v, 4) if isinstance(v, float) else v) for k, v in s.items()}

@@ -105,7 +105,12 @@ def place_models(
         for di, d in enumerate(layout.degrees)
     }
     m = _build_model(layout, wanted)
-    status = highs.run(highs.make_highs(options.solver), m)
+    if m.count_terms_missing:
+        status = highs.SolveStatus.INFEASIBLE
+    elif not any(True for _ in m.component_data_objects(pyo.Var)):
+        status = highs.SolveStatus.OPTIMAL  # nothing wanted, no slot to choose
+    else:
+        status = highs.run(highs.make_highs(options.solver), m)
     if status == highs.SolveStatus.INFEASIBLE:
         total = defaultdict(int)  # tp degree -> instances of every model
         for counts in instances_by_model_tp.values():
@@ -172,8 +177,33 @@ class _Layout:
                 tuple(sorted((inst.tp, inst.gpu_ids, model_index[running_models[inst]]) for inst in running.values())),
             )
             self.nodes_by_type[signature].append(i)
-            if signature not in self.options_by_type:
-                self.options_by_type[signature] = self._options(node, signature[1])
+        # a node alone in its type gets a variable per slot and model (fewer than its options); the
+        # types of several nodes get the aggregated variables
+        self.single_nodes = [ids[0] for ids in self.nodes_by_type.values() if len(ids) == 1]
+        self.nodes_by_type = {sig: ids for sig, ids in self.nodes_by_type.items() if len(ids) > 1}
+        for signature, ids in self.nodes_by_type.items():
+            self.options_by_type[signature] = self._options(cluster.nodes[ids[0]], signature[1])
+        self.model_index = model_index
+        self.running_models = running_models
+
+    def node_slots(self, i: int) -> list[_Slot]:
+        """Node i's aligned slots, then its running instances that are not aligned."""
+        node = self.nodes[i]
+        running = self.running_at[i]
+
+        def model_at(tp: int, gpus: tuple[int, ...]) -> int:
+            inst = running.get(gpus)
+            return self.model_index[self.running_models[inst]] if inst is not None and inst.tp == tp else -1
+
+        slots = [
+            _Slot(d, node.slot_gpu_ids(d, k), model_at(d, node.slot_gpu_ids(d, k)))
+            for d in self.degrees
+            for k in range(node.num_slots(d))
+        ]
+        aligned = {slot.gpu_ids for slot in slots}
+        slots += [_Slot(inst.tp, gpus, model_at(inst.tp, gpus)) for gpus, inst in sorted(running.items())
+                  if gpus not in aligned]
+        return slots
 
     def _zero(self) -> _NodeOption:
         return _NodeOption((0,) * len(self.degrees), (0,) * (len(self.degrees) * self.num_models), ())
@@ -268,38 +298,82 @@ def _minkowski_all(groups: list[list[_NodeOption]]) -> list[_NodeOption]:
 
 def _build_model(layout: _Layout, wanted: dict[tuple[int, int], int]) -> pyo.ConcreteModel:
     m = pyo.ConcreteModel(name="stage2")
+    count_terms: dict[tuple[int, int], list] = defaultdict(list)  # (model, degree index) -> terms
+    kept_terms: list = []
+    _add_type_variables(m, layout, wanted, count_terms, kept_terms)
+    _add_slot_variables(m, layout, wanted, count_terms, kept_terms)
+    m.count_terms_missing = any(n > 0 and not count_terms[key] for key, n in wanted.items())
+    m.count = pyo.Constraint(
+        [key for key in wanted if count_terms[key]],
+        rule=lambda m, mi, di: sum(count_terms[(mi, di)]) == wanted[(mi, di)],
+    )
+    m.kept = pyo.Objective(expr=sum(kept_terms) if kept_terms else 0.0, sense=pyo.maximize)
+    return m
+
+
+def _add_slot_variables(
+    m: pyo.ConcreteModel, layout: _Layout, wanted: dict[tuple[int, int], int], count_terms: dict, kept_terms: list
+) -> None:
+    """u[i,s,mi] binary: slot s of node i (alone in its type) serves model mi; a GPU in one chosen
+    slot at most. Only (slot, model) pairs whose model wants that degree get a variable."""
+    m.slots = {i: layout.node_slots(i) for i in layout.single_nodes}  # node index -> its slots
+    keys = [
+        (i, si, mi)
+        for i, slots in m.slots.items()
+        for si, slot in enumerate(slots)
+        for mi in range(layout.num_models)
+        if wanted.get((mi, layout.degrees.index(slot.tp)), 0) > 0
+    ]
+    m.u = pyo.Var(keys, domain=pyo.Binary)
+    gpu_to_keys: dict[tuple[int, int], list] = defaultdict(list)  # (node index, gpu) -> u keys on it
+    for key in keys:
+        i, si, mi = key
+        slot = m.slots[i][si]
+        for gpu in slot.gpu_ids:
+            gpu_to_keys[(i, gpu)].append(key)
+        count_terms[(mi, layout.degrees.index(slot.tp))].append(m.u[key])
+        if slot.model == mi:
+            kept_terms.append(m.u[key])
+    shared = [g for g, ks in gpu_to_keys.items() if len(ks) > 1]
+    m.gpu_once = pyo.Constraint(shared, rule=lambda m, i, g: sum(m.u[key] for key in gpu_to_keys[(i, g)]) <= 1)
+
+
+def _add_type_variables(
+    m: pyo.ConcreteModel, layout: _Layout, wanted: dict[tuple[int, int], int], count_terms: dict, kept_terms: list
+) -> None:
+    """n[t,o], l[t,o,mi,di] and k[t,o,mi,di] for the types of several nodes (module docstring)."""
     types = list(layout.options_by_type)
     num_degrees, num_models = len(layout.degrees), layout.num_models
     m.pairs = [(t, o) for t, sig in enumerate(types) for o in range(len(layout.options_by_type[sig]))]
     option = {(t, o): layout.options_by_type[types[t]][o] for t, o in m.pairs}  # (type, option) -> option
     count = {t: len(layout.nodes_by_type[sig]) for t, sig in enumerate(types)}  # type -> nodes
-    m.types, m.option = types, option
+    m.types = types
     m.n = pyo.Var(m.pairs, domain=pyo.NonNegativeIntegers, bounds=lambda _, t, o: (0, count[t]))
-    m.one_option = pyo.Constraint(
-        list(count), rule=lambda m, t: sum(m.n[t, o] for tt, o in m.pairs if tt == t) == count[t]
-    )
+    options_of: dict[int, list] = defaultdict(list)  # type -> its (type, option) pairs
+    for pair in m.pairs:
+        options_of[pair[0]].append(pair)
+    m.one_option = pyo.Constraint(list(count), rule=lambda m, t: sum(m.n[p] for p in options_of[t]) == count[t])
     if num_models == 1:
-        m.count = pyo.Constraint(
-            range(num_degrees),
-            rule=lambda m, di: sum(option[p].v[di] * m.n[p] for p in m.pairs if option[p].v[di]) == wanted[(0, di)],
-        )
-        m.kept = pyo.Objective(expr=sum(sum(option[p].kc) * m.n[p] for p in m.pairs if sum(option[p].kc)),
-                               sense=pyo.maximize)
-        return m
+        for p in m.pairs:
+            for di in range(num_degrees):
+                if option[p].v[di]:
+                    count_terms[(0, di)].append(option[p].v[di] * m.n[p])
+            if sum(option[p].kc):
+                kept_terms.append(sum(option[p].kc) * m.n[p])
+        return
     labels = [(t, o, mi, di) for t, o in m.pairs for di in range(num_degrees) if option[(t, o)].v[di]
-              for mi in range(num_models)]
+              for mi in range(num_models) if wanted.get((mi, di), 0) > 0]
     keepable = [(t, o, mi, di) for t, o, mi, di in labels if option[(t, o)].kc[mi * num_degrees + di]]
     m.l = pyo.Var(labels, domain=pyo.NonNegativeIntegers)
     m.k = pyo.Var(keepable, domain=pyo.NonNegativeReals)
-    # (type, option, degree) -> its label keys; (model, degree) -> label keys
-    by_slot_kind: dict[tuple[int, int, int], list] = defaultdict(list)
-    by_model_degree: dict[tuple[int, int], list] = defaultdict(list)
+    by_slot_kind: dict[tuple[int, int, int], list] = defaultdict(list)  # (type, option, degree) -> labels
     for key in labels:
         t, o, mi, di = key
         by_slot_kind[(t, o, di)].append(key)
-        by_model_degree[(mi, di)].append(key)
+        count_terms[(mi, di)].append(m.l[key])
+    slot_kinds = [(t, o, di) for t, o in m.pairs for di in range(num_degrees) if option[(t, o)].v[di]]
     m.labelled = pyo.Constraint(
-        list(by_slot_kind),
+        slot_kinds,
         rule=lambda m, t, o, di: sum(m.l[key] for key in by_slot_kind[(t, o, di)]) == option[(t, o)].v[di] * m.n[t, o],
     )
     m.kept_labelled = pyo.Constraint(keepable, rule=lambda m, *key: m.k[key] <= m.l[key])
@@ -307,15 +381,7 @@ def _build_model(layout: _Layout, wanted: dict[tuple[int, int], int]) -> pyo.Con
         keepable,
         rule=lambda m, t, o, mi, di: m.k[t, o, mi, di] <= option[(t, o)].kc[mi * num_degrees + di] * m.n[t, o],
     )
-    m.count = pyo.Constraint(
-        list(wanted),
-        rule=lambda m, mi, di: (
-            sum(m.l[key] for key in by_model_degree[(mi, di)]) == wanted[(mi, di)]
-            if by_model_degree[(mi, di)] or wanted[(mi, di)] else pyo.Constraint.Skip
-        ),
-    )
-    m.kept = pyo.Objective(expr=sum(m.k[key] for key in keepable), sense=pyo.maximize)
-    return m
+    kept_terms.extend(m.k[key] for key in keepable)
 
 
 # --- from the solution to instances ----------------------------------------------------------------
@@ -323,7 +389,8 @@ def _build_model(layout: _Layout, wanted: dict[tuple[int, int], int]) -> pyo.Con
 
 def _expand(m: pyo.ConcreteModel, layout: _Layout) -> dict[int, list[tuple[Instance, int]]]:
     """node index -> chosen (instance, model index): each type's nodes in order take the chosen
-    options, then every slot gets a model (its running model first, while that model's labels last)."""
+    options, then every slot gets a model (its running model first, while that model's labels last);
+    a node alone in its type takes the slots its variables chose."""
     num_degrees = len(layout.degrees)
     chosen: dict[int, list[tuple[Instance, int]]] = defaultdict(list)
     for t, sig in enumerate(m.types):
@@ -334,11 +401,20 @@ def _expand(m: pyo.ConcreteModel, layout: _Layout) -> dict[int, list[tuple[Insta
                 continue
             group = [next(nodes) for _ in range(taken)]
             labels_left = {
-                (mi, di): (taken * option.v[di] if layout.num_models == 1 else int(round(pyo.value(m.l[t, o, mi, di]))))
+                (mi, di): (taken * option.v[di] if layout.num_models == 1 else _label_count(m, (t, o, mi, di)))
                 for di in range(num_degrees) if option.v[di] for mi in range(layout.num_models)
             }
             _label(layout, group, option, labels_left, chosen)
+    for (i, si, mi), var in m.u.items():
+        if pyo.value(var) > 0.5:
+            slot = m.slots[i][si]
+            running = layout.running_at[i].get(slot.gpu_ids) if slot.model == mi else None
+            chosen[i].append((running or Instance(layout.nodes[i].name, slot.tp, slot.gpu_ids), mi))
     return chosen
+
+
+def _label_count(m: pyo.ConcreteModel, key: tuple[int, int, int, int]) -> int:
+    return int(round(pyo.value(m.l[key]))) if key in m.l else 0
 
 
 def _label(
