@@ -568,23 +568,22 @@ def _solve_lexicographic(
     division = _extract(m, joint, optimal)
     m.quality.deactivate()
     m.keep_quality = pyo.Constraint(expr=m.quality_expr >= best_quality - options.quality_tolerance)
-    if any(joint.switch_fraction(k) > 0 for k in joint.loaded):
-        # Second: the fewest GPU-seconds of switching that keeps the quality (no move for nothing).
-        m.moves = pyo.Objective(expr=m.switch_expr, sense=pyo.minimize)
-        status = highs.run(solver, m)
-        if status in (highs.SolveStatus.OPTIMAL, highs.SolveStatus.FEASIBLE):
-            best_switch = pyo.value(m.switch_expr)
-            m.keep_moves = pyo.Constraint(expr=m.switch_expr <= best_switch + 1e-6 * max(1.0, best_switch))
-            optimal = optimal and status == highs.SolveStatus.OPTIMAL
-            division = _extract(m, joint, optimal)
-        m.moves.deactivate()
-    m.slack = pyo.Objective(expr=m.slack_expr, sense=pyo.maximize)
+    m.slack = pyo.Objective(expr=_slack_objective(m, joint), sense=pyo.maximize)
     second = highs.run(solver, m)
     if second in (highs.SolveStatus.OPTIMAL, highs.SolveStatus.FEASIBLE):
         division = _extract(m, joint, optimal and second == highs.SolveStatus.OPTIMAL)
     if fixed_instances is None:
         division = fill_spare_gpus_joint(division, joint)
     return division
+
+
+def _slack_objective(m: pyo.ConcreteModel, joint: _JointInputs):
+    """The second level: average SLO slack, less the share of the period's GPU-time that started
+    instances spend switching (``switch_gpu_s / (num_gpus x period_s)``): a move that only buys slack
+    is made when it buys more slack than the GPU-time it costs. Without switch costs, the slack."""
+    if not any(joint.switch_fraction(k) > 0 for k in joint.loaded):
+        return m.slack_expr
+    return m.slack_expr - m.switch_expr / (joint.num_gpus * joint.period_s)
 
 
 def _extract(m: pyo.ConcreteModel, joint: _JointInputs, optimal: bool) -> DivisionPlan:
@@ -683,8 +682,9 @@ def fill_spare_gpus_joint(division: DivisionPlan, joint: _JointInputs) -> Divisi
     """Add instances on idle GPUs, to the models with load: to the most utilised (model, degree) in
     use, then any degree that fits (largest first, busiest model first). Stability only gets looser,
     so the objective values stay optimal. Instances the ILP gave to degrees without work are dropped
-    first (they are an arbitrary choice of the solver), except, for a model with a switch cost, those
-    running now (kept, they cost nothing; a start elsewhere does) and those its minimum needs."""
+    first (they are an arbitrary choice of the solver), except those a model's minimum needs; a model
+    with a switch cost first keeps every instance it runs now that fits (kept, an instance costs
+    nothing; a start elsewhere does), and only then do idle GPUs start new ones."""
     names = [m.name for m in joint.models]
     plans = division.plans_by_model
     # (model index, tp degree) -> requests in service
@@ -695,10 +695,15 @@ def fill_spare_gpus_joint(division: DivisionPlan, joint: _JointInputs) -> Divisi
     counts = joint._pinned_keys()
     for k in joint.loaded:
         counts.update({(k, d): n for d, n in _kept_counts(joint, plans[names[k]], in_service, k).items()})
-    in_use = [(k, d) for k in joint.loaded for d in joint.inputs[k].tp_degrees if counts[(k, d)] > 0]
 
     def with_one_more(key: tuple[int, int]) -> dict[tuple[int, int], int]:
         return {**counts, key: counts.get(key, 0) + 1}
+
+    for k in joint.loaded:  # with a switch cost, running instances the ILP let go are kept if they fit
+        for d in joint.inputs[k].tp_degrees if joint.switch_fraction(k) > 0 else ():
+            while counts[(k, d)] < joint.current.get(k, {}).get(d, 0) and joint.fits(with_one_more((k, d))):
+                counts = with_one_more((k, d))
+    in_use = [(k, d) for k in joint.loaded for d in joint.inputs[k].tp_degrees if counts[(k, d)] > 0]
 
     def utilisation(key: tuple[int, int]) -> float:
         return in_service.get(key, 0.0) / (plans[names[key[0]]].batch_by_tp[key[1]] * counts[key])

@@ -119,20 +119,30 @@ def test_a_model_restricted_to_wide_degrees_gets_only_those():
     assert division.gpus_by_model["wide"] > 0
 
 
-def test_a_move_that_gains_only_slack_is_not_made_when_moves_cost_time(profile, cluster16):
-    """At low load TP-4 gives the most slack; the running TP-1 shape already reaches the top
-    threshold, so with a switch time Stage 1 keeps it."""
+def test_a_move_that_gains_only_slack_is_made_only_when_it_buys_more_than_it_costs(profile, cluster16):
+    """At low load TP-4 gives the most slack and the running TP-1 shape already reaches the top
+    threshold: the move buys slack only, and costs switch_s / period_s of the period's GPU-time (all 16
+    GPUs restart), so it is made only when the slack it buys is larger."""
     running = tuple(Instance(f"node-{n}", 1, (g,)) for n in range(4) for g in range(4))
     cluster = cluster16.with_placement(running)
     names = {inst: "m" for inst in running}
-    free = divide_gpus((ModelDemand("m", make_workload(0.5), profile),), cluster, running_models=names)
+    workload = make_workload(0.5)
+    free = divide_gpus((ModelDemand("m", workload, profile),), cluster, running_models=names)
     assert {tp: n for tp, n in free.instances_by_model_tp["m"].items() if n} == {4: 4}
-    costly = divide_gpus(
-        (ModelDemand("m", make_workload(0.5), profile, switch_s=60.0),), cluster, running_models=names
-    )
-    assert costly.instances_by_model_tp["m"] == {1: 16, 2: 0, 4: 0}
-    assert costly.switch_gpu_s == 0.0
-    assert costly.objective.avg_threshold == pytest.approx(free.objective.avg_threshold)
+    period_s = Stage1Options().period_s
+
+    def plan(switch_s: float):
+        return divide_gpus((ModelDemand("m", workload, profile, switch_s=switch_s),), cluster, running_models=names)
+
+    plans = [plan(switch_s) for switch_s in (5.0, 30.0, 120.0, 0.99 * period_s)]
+    started = [sum(tp * n for tp, n in p.started_by_model["m"].items()) for p in plans]
+    assert started[0] > 0, "a cheap move that buys slack is made"
+    assert plans[0].switch_gpu_s == pytest.approx(5.0 * started[0])
+    assert started == sorted(started, reverse=True), "dearer moves, no more of them"
+    assert started[-1] == 0 and plans[-1].instances_by_model_tp["m"] == {1: 16, 2: 0, 4: 0}
+    for p in plans:  # the quality is the same: the moves buy slack only
+        assert p.objective.avg_threshold == pytest.approx(free.objective.avg_threshold)
+        assert p.objective.slo_slack <= free.objective.slo_slack + 1e-9
 
 
 def test_a_move_that_gains_quality_is_made_and_its_switch_time_counted(profile, cluster16):
