@@ -37,6 +37,32 @@ Then spare GPUs (the ILP leaves them idle when they add nothing to Q or S) are f
 instances of the degrees in use, the most utilised first: extra instances only loosen the stability
 constraints, so Q and S stay optimal. Infeasible: every GPU as TP-1 (maximum throughput), with the
 reason in ``fallback_reason``.
+
+Several models (``divide_gpus``; ``solve_stage1`` is it with one model). Every model k brings its own
+workload, profile, SLOs, KV budget and allowed degrees, hence its own options; the variables above
+get a model index (R[k,d], y[k,d,b], z[k,d,b], x[o] over every model's options) and so do the
+per-model constraints; the GPU budget and the aligned-slot capacities sum over models. Weights w_c
+are over every model's planned output tokens, so Q and S are the cluster's averages per output
+token. A model without load (with more than one model) is not in the ILP: it holds exactly its
+``min_instances`` (the instances it runs, smallest degrees first, then its smallest degree), which the
+GPU constraints reserve; a model with load has sum_d R[k,d] >= min_instances.
+
+Moving instances costs time: a model's ``switch_s`` (drain, stop, load its weights, warm up) against
+the period ``period_s`` the plan holds, f_k = switch_s / period_s. Two terms weigh it, each in its
+level's own currency:
+  w[k,d,b] >= z[k,d,b] - current[k,d] y[k,d,b], w >= 0          instances started at the chosen batch
+  stability: ... <= rho b (z[k,d,b] - f_k w[k,d,b])              a started instance serves (1 - f_k)
+                                                                 of the period, a kept one all of it
+  level 2: maximise S - sum_{k,d} switch_s_k d started[k,d] / (G period_s)
+                                                                 slack less the share of the period's
+                                                                 GPU-time that switching loses
+So a move is made for quality (level 1) only where the capacity it brings, net of its switch time,
+raises Q, and for slack alone (level 2) only where it buys more slack than the GPU-time it costs.
+With several models the big-M of z is the most instances worth planning at (k,d,b) (all of k's load
+there at its slowest option), which keeps the optimum and makes the joint ILP quicker to prove.
+Spare GPUs go to the models with load (most utilised (model, degree) first); a model with a switch
+cost first keeps the running instances that fit. Infeasible with several models: each model with load
+at its smallest degree, GPUs handed out in proportion to the GPUs it needs at least.
 """
 
 from __future__ import annotations
