@@ -109,6 +109,12 @@ class GatewaySettings(ServiceSettings):
                                     "give up waiting for a request's final event after this long", gt=0)
     model_dir: str = _model_dir("gateway", "served model's directory (tokenizer, config, calibration); its basename "
                                            "is the model name")
+    model_dirs: str = _own("gateway", "model_dirs", "",
+                           "several served models: their directories, comma-separated (each basename is a model's "
+                           "name; requests name one); empty: model_dir alone")
+    model_slo_ms: str = _own("gateway", "model_slo_ms", "",
+                             "a default SLO (ms) per model, as name=ms pairs, comma-separated (what a request that "
+                             "sets no slo_ms gets); a model not named: from its profile, as default_slo_ms says")
     chat_template: str = _own("gateway", "chat_template", "",
                               "chat template (Jinja) to use instead of the model's: a file path or the template "
                               "itself; empty: the tokenizer's own")
@@ -150,6 +156,36 @@ class GatewaySettings(ServiceSettings):
     idempotency_ttl_s: float = _own("gateway", "idempotency_ttl_s", 600.0,
                                     "how long a retry key stands for its request (a retry after it finished gets "
                                     "the stored answer while the key and the result last)", gt=0)
+
+    @field_validator("model_slo_ms")
+    @classmethod
+    def _slo_pairs(cls, value: str) -> str:
+        parse_model_slos(value)  # a ValueError naming the pair that is wrong
+        return value
+
+    @property
+    def served_model_dirs(self) -> list[str]:
+        """The served models' directories: ``model_dirs``, else ``model_dir`` alone."""
+        return [d.strip() for d in self.model_dirs.split(",") if d.strip()] or [self.model_dir]
+
+    @property
+    def slo_ms_by_model(self) -> dict[str, float]:
+        return parse_model_slos(self.model_slo_ms)
+
+
+def parse_model_slos(text: str) -> dict[str, float]:
+    """``name=ms,name=ms`` as a dict; ``ValueError`` naming the field and the pair that is wrong."""
+    out: dict[str, float] = {}
+    for pair in (p.strip() for p in text.split(",") if p.strip()):
+        name, sep, ms = pair.partition("=")
+        try:
+            value = float(ms) if sep and name.strip() else -1.0
+        except ValueError:
+            value = -1.0
+        if value <= 0:
+            raise ValueError(f"DLS_GATEWAY_MODEL_SLO_MS: {pair!r} is not name=ms with ms > 0")
+        out[name.strip()] = value
+    return out
 
 
 class SchedulerSettings(ServiceSettings):

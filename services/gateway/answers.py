@@ -38,6 +38,7 @@ from services.gateway.schemas import (
     CompletionLogprobs,
     CompletionResponse,
     ModelCard,
+    ModelState,
     ProgressInfo,
     RequestInfo,
     StepInfo,
@@ -45,6 +46,7 @@ from services.gateway.schemas import (
     UsageInfo,
 )
 from shared.calibration import HOW_TO
+from shared.messages.control import WorkerHeartbeat, WorkerStatus
 from shared.messages.events import RequestFinished, RequestProgress, TokenLogprobs, Usage
 from shared.state import RequestRecord, RequestStatus, StepRecord
 
@@ -253,8 +255,17 @@ class StreamFormatter:
         return chunk
 
 
-def model_card(model: ServedModel) -> ModelCard:
-    return ModelCard(id=model.name, created=model.created, max_sequence_length=model.max_sequence_length,
+def model_state(name: str, workers: Sequence[WorkerHeartbeat]) -> ModelState:
+    """What a served model's live workers say: serving (one READY), starting (one loading), else scaled to
+    zero (none alive: a request gets 503 with Retry-After)."""
+    statuses = {hb.status for hb in workers if hb.model == name}
+    if WorkerStatus.READY in statuses:
+        return ModelState.SERVING
+    return ModelState.STARTING if WorkerStatus.STARTING in statuses else ModelState.SCALED_TO_ZERO
+
+
+def model_card(model: ServedModel, state: ModelState) -> ModelCard:
+    return ModelCard(id=model.name, created=model.created, state=state, max_sequence_length=model.max_sequence_length,
                      max_model_len=model.max_sequence_length, default_max_tokens=model.default_gen_length,
                      default_block_length=model.default_block_length, max_canvas=model.limits.max_gen_length,
                      calibration=calibration_info(model))

@@ -22,7 +22,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from services.gateway.answers import DONE, KEEPALIVE, StreamFormatter, final_answer, model_card, request_info
+from services.gateway.answers import (
+    DONE,
+    KEEPALIVE,
+    StreamFormatter,
+    final_answer,
+    model_card,
+    model_state,
+    request_info,
+)
 from services.gateway.bus import Bus, BusUnavailableError, GatewayBus
 from services.gateway.dashboard import mount_dashboard
 from services.gateway.edge import ApiKeyMiddleware, BodyLimitMiddleware
@@ -34,7 +42,13 @@ from services.gateway.idempotency import (
     RetryKey,
     retry_key,
 )
-from services.gateway.models import ModelCatalogue, ServedModel, UnknownModelError, load_served_model
+from services.gateway.models import (
+    ModelCatalogue,
+    ModelLoadError,
+    ServedModel,
+    UnknownModelError,
+    load_served_model,
+)
 from services.gateway.observability import install_observability, intake_headers
 from services.gateway.prepare import PreparedRequest, RequestPreparer, new_request_id
 from services.gateway.recovery import TrackedEvents, event_from_record
@@ -148,7 +162,7 @@ class Gateway:
     # --- completions --------------------------------------------------------------------------
 
     async def complete(self, body: CompletionBody | ChatCompletionBody, request: Request) -> Response:
-        self._refuse_without_workers()
+        self._refuse_without_workers(body.model)
         if self.rate_limiter is not None:
             await self.rate_limiter.check(rate_identity(request))
         self.admission.enter()  # 429 when this gateway holds max_in_flight requests already
@@ -439,14 +453,14 @@ class Gateway:
         elapsed = max(time.time() - prepared.request.arrival_time, 0.0)
         self.metrics.e2e.labels(prepared.model.name).observe(elapsed)
 
-    def _refuse_without_workers(self) -> None:
-        """503 with Retry-After, at once, when no READY instance of a served model is alive (nothing is
-        queued for workers that are not there; the bus says None while it cannot tell yet)."""
+    def _refuse_without_workers(self, model: str) -> None:
+        """503 with Retry-After, at once, when no READY instance of the requested model is alive (nothing is
+        queued for workers that are not there; the bus says None while it cannot tell yet). A model not
+        served goes on to its 404."""
         workers = self.bus.ready_workers()
-        served = {model.name for model in self.preparer.catalogue.models}
-        if workers is None or any(hb.model in served for hb in workers):
+        if workers is None or model not in self.preparer.catalogue or any(hb.model == model for hb in workers):
             return
-        raise ApiError(503, f"no model instance serving {', '.join(sorted(served))} is up; retry after "
+        raise ApiError(503, f"no model instance serving {model} is up; retry after "
                        f"{self.settings.retry_after_s} s", None, "no_instance", SERVER_ERROR,
                        {"Retry-After": str(self.settings.retry_after_s)})
 
@@ -613,9 +627,11 @@ def _answered(body: type) -> dict:
 
 
 def slo_estimator(settings: GatewaySettings, model: ServedModel) -> SloEstimator | None:
-    """Default SLOs from the profile (``DLS_GATEWAY_PROFILE``, else the served model's calibration's), or
-    None (logged) if there is none or it is unusable: every request then gets ``DLS_GATEWAY_DEFAULT_SLO_MS``."""
-    path = settings.profile or (str(model.calibration.profile_path) if model.calibration is not None else "")
+    """Default SLOs from the profile (``DLS_GATEWAY_PROFILE`` where one model is served, else the model's
+    calibration's), or None (logged) if there is none or it is unusable: every request then gets
+    ``DLS_GATEWAY_DEFAULT_SLO_MS``."""
+    own = str(model.calibration.profile_path) if model.calibration is not None else ""
+    path = (settings.profile if len(settings.served_model_dirs) == 1 else "") or own
     if not path:
         logger.warning("default SLOs are DLS_GATEWAY_DEFAULT_SLO_MS (%.0f ms): %s is uncalibrated, so no profile "
                        "times its steps", settings.default_slo_ms, model.name)
@@ -628,16 +644,42 @@ def slo_estimator(settings: GatewaySettings, model: ServedModel) -> SloEstimator
         return None
 
 
+def served_models(settings: GatewaySettings) -> ModelCatalogue:
+    """Every model the settings serve (``DLS_GATEWAY_MODEL_DIRS``, else ``DLS_GATEWAY_MODEL_DIR``);
+    ``ModelLoadError`` naming the directory, or the setting, that is wrong."""
+    models = [load_served_model(d, settings.default_gen_length, settings.default_block_length, settings.chat_template,
+                                settings.trust_remote_code, settings.calibration_dir if i == 0 else "")
+              for i, d in enumerate(settings.served_model_dirs)]
+    names = [m.name for m in models]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ModelLoadError(f"DLS_GATEWAY_MODEL_DIRS: two directories serve the model name {twice[0]!r} (a model's "
+                             "name is its directory's basename)")
+    unknown = sorted(set(settings.slo_ms_by_model) - set(names))
+    if unknown:
+        raise ModelLoadError(f"DLS_GATEWAY_MODEL_SLO_MS names {', '.join(unknown)}, which is not served "
+                             f"(served: {', '.join(names)})")
+    return ModelCatalogue(models)
+
+
+def default_slos_of(settings: GatewaySettings, catalogue: ModelCatalogue, ask) -> dict[str, DefaultSlo]:
+    """Each served model's default SLOs: the configured figure (``DLS_GATEWAY_MODEL_SLO_MS``), else timed
+    with its profile."""
+    fixed = settings.slo_ms_by_model
+    return {m.name: DefaultSlo(None, ask, fixed[m.name], time.time) if m.name in fixed
+            else DefaultSlo(slo_estimator(settings, m), ask, settings.default_slo_ms, time.time)
+            for m in catalogue.models}
+
+
 def create_app(settings: GatewaySettings, bus: Bus | None = None,
                rate_limiter: RedisRateLimiter | None = None, idempotency: IdempotencyStore | None = None) -> FastAPI:
     """The gateway app; ``bus``: a started ``Bus`` owned by the caller, or None for a ``GatewayBus``;
     ``rate_limiter``: a started one owned by the caller, or None for one on ``DLS_REDIS_URL`` when
     ``DLS_GATEWAY_RATE_LIMIT_PER_MIN`` is set; ``idempotency``: where retry keys live (None: in Redis with
     the ``GatewayBus``, in this process with a given bus)."""
-    model = load_served_model(settings.model_dir, settings.default_gen_length, settings.default_block_length,
-                              settings.chat_template, settings.trust_remote_code, settings.calibration_dir)
+    catalogue = served_models(settings)
     own_bus = GatewayBus(settings) if bus is None else None
-    default_slo = DefaultSlo(slo_estimator(settings, model), (bus or own_bus).predict, settings.default_slo_ms, time.time)
+    default_slos = default_slos_of(settings, catalogue, (bus or own_bus).predict)
     own_limiter = None
     if rate_limiter is None and settings.rate_limit_per_min > 0:
         own_limiter = RedisRateLimiter(settings.redis_url, settings.redis_key_prefix, settings.rate_limit_per_min,
@@ -649,7 +691,7 @@ def create_app(settings: GatewaySettings, bus: Bus | None = None,
         own_keys_client = redis_client(settings.redis_url, socket_connect_timeout=2.0, socket_timeout=2.0)
         idempotency = RedisIdempotency(own_keys_client, settings.redis_key_prefix)
     metrics = GatewayMetrics()
-    gateway = Gateway(settings, RequestPreparer(settings, ModelCatalogue([model]), default_slo), bus or own_bus,
+    gateway = Gateway(settings, RequestPreparer(settings, catalogue, default_slos), bus or own_bus,
                       rate_limiter or own_limiter, idempotency, metrics)
 
     @asynccontextmanager
@@ -691,7 +733,9 @@ def create_app(settings: GatewaySettings, bus: Bus | None = None,
 
     @app.get("/v1/models", response_model=ModelList, responses=LISTING_ERRORS)
     async def list_models() -> ModelList:
-        return ModelList(data=[model_card(m) for m in gateway.preparer.catalogue.models])
+        """Every served model, with its state now (what its live workers' heartbeats say) and calibration."""
+        workers = (await gateway.bus.readiness()).workers
+        return ModelList(data=[model_card(m, model_state(m.name, workers)) for m in gateway.preparer.catalogue.models])
 
     @app.get("/v1/requests/{request_id}", response_model=RequestInfo, responses=READ_ERRORS)
     async def get_request(request_id: str, request: Request) -> dict:

@@ -172,10 +172,13 @@ class ServedModel:
 
 
 class ModelCatalogue:
-    """The models this gateway serves, by name (one today: the settings' model directory)."""
+    """The models this gateway serves, by name (``DLS_GATEWAY_MODEL_DIRS``, else the model directory)."""
 
     def __init__(self, models: Sequence[ServedModel]) -> None:
         self._by_name = {model.name: model for model in models}  # model name -> model
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._by_name
 
     def get(self, name: str) -> ServedModel:
         try:

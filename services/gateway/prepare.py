@@ -91,10 +91,11 @@ def choice_id(request_id: str, index: int, num_choices: int) -> str:
 class RequestPreparer:
     """Turns bodies into ``PreparedRequest``s for one gateway's settings, models and default SLOs."""
 
-    def __init__(self, settings: GatewaySettings, catalogue: ModelCatalogue, default_slo: DefaultSlo) -> None:
+    def __init__(self, settings: GatewaySettings, catalogue: ModelCatalogue, default_slos: dict[str, DefaultSlo]) -> None:
+        """``default_slos``: model name -> where the SLO of a request that sets none comes from."""
         self.settings = settings
         self.catalogue = catalogue
-        self.default_slo = default_slo
+        self.default_slos = default_slos
 
     def model(self, name: str) -> ServedModel:
         try:
@@ -143,7 +144,7 @@ class RequestPreparer:
                           "tokens", "context_length_exceeded")
         self._check_agreement(body)
         cache_mode = CacheMode(body.cache)
-        slo_ms = body.slo_ms or await self.default_slo.slo_ms(len(prompt_ids), gen_length, block_length, cache_mode)
+        slo_ms = body.slo_ms or await self.default_slos[model.name].slo_ms(len(prompt_ids), gen_length, block_length, cache_mode)
         n = body.num_choices
         choices = tuple(CompletionRequest(
             request_id=choice_id(request_id, i, n), prompt_token_ids=prompt_ids, gen_length=gen_length,

@@ -17,6 +17,7 @@ out-of-range values are refused the same way. Limits that depend on the served m
 from __future__ import annotations
 
 import re
+from enum import StrEnum
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -414,11 +415,21 @@ class ProgressInfo(BaseModel):
     canvas: str = Field(description="the generation canvas, masked positions as '_'")
 
 
+class ModelState(StrEnum):
+    """A served model's state, from its live workers' heartbeats."""
+
+    SERVING = "serving"  # a READY instance is alive
+    STARTING = "starting"  # instances are loading, none READY yet
+    SCALED_TO_ZERO = "scaled_to_zero"  # no live instance: a request gets 503 with Retry-After
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "dilaserve"
+    state: ModelState = Field(description="serving (a READY instance), starting (loading), or scaled_to_zero "
+                                           "(none alive); calibration says whether it is calibrated")
     max_sequence_length: int
     max_model_len: int = Field(description="vLLM's name of max_sequence_length: prompt plus canvas fit in it")
     default_max_tokens: int = Field(description="the canvas of a request that sets no max_tokens")

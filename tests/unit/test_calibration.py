@@ -225,13 +225,14 @@ def test_the_gateway_says_whether_the_model_is_calibrated_and_times_default_slos
     from services.gateway.answers import model_card
     from services.gateway.app import slo_estimator
     from services.gateway.models import ModelLoadError, load_served_model
+    from services.gateway.schemas import ModelState
 
     served = load_served_model(recalibrated)
-    card = model_card(served).calibration
+    card = model_card(served, ModelState.SERVING).calibration
     assert card.calibrated and card.device == "cpu" and card.quality_source == "labelled"
     assert slo_estimator(GatewaySettings(model_dir=str(recalibrated)), served) is not None
     bare = load_served_model(uncalibrated)
-    card = model_card(bare).calibration
+    card = model_card(bare, ModelState.SERVING).calibration
     assert not card.calibrated and card.how_to == f"dls calibrate --model {uncalibrated} (README: Serving your own checkpoint)"
     assert slo_estimator(GatewaySettings(model_dir=str(uncalibrated)), bare) is None  # DLS_GATEWAY_DEFAULT_SLO_MS
     (recalibrated / "model.safetensors").write_bytes(b"other weights")
