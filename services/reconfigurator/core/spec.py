@@ -15,6 +15,7 @@ DEFAULT_SAFETY_BUFFER = 0.2
 DEFAULT_BLOCK_LENGTH = 32
 # The paper's default SLO: 5x the isolated TP-1 latency at the highest threshold.
 DEFAULT_SLO_FACTOR = 5.0
+SINGLE_MODEL = ""  # the model's name where one model is planned (solve_stage1, solve_stage2)
 
 
 @dataclass(frozen=True)

@@ -80,10 +80,9 @@ from shared.profiles import LatencyProfile
 from . import solver as highs
 from .latency import class_slo_s, predicted_steps, request_latency_s
 from .plan import CapacityPlan, ClassAssignment, DivisionPlan, Objective
-from .spec import Cluster, Instance, ModelDemand, Workload
+from .spec import SINGLE_MODEL, Cluster, Instance, ModelDemand, Workload
 
 _SHARE_EPSILON = 1e-6  # shares below this are solver noise, not assignments
-SINGLE_MODEL = ""  # the model's name when ``solve_stage1`` plans one
 
 
 @dataclass(frozen=True)

@@ -41,9 +41,7 @@ import pyomo.environ as pyo
 
 from . import solver as highs
 from .plan import ModelPlacement, NodePlan, PlacementPlan
-from .spec import Cluster, Instance, Node
-
-SINGLE_MODEL = ""  # the model's name when ``solve_stage2`` places one
+from .spec import SINGLE_MODEL, Cluster, Instance, Node
 
 
 class Stage2Infeasible(ValueError):
