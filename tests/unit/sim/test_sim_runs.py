@@ -131,3 +131,11 @@ def test_control_plane_time_is_added_to_every_step_and_leaves_slo_and_capacity_a
     fixed_plain, fixed_slow = (experiments.run_point(s, "fixed-0.9", 0) for s in (plain, slow))
     assert fixed_slow["mean_steps"] == pytest.approx(fixed_plain["mean_steps"])  # the same work ...
     assert fixed_slow["mean_latency_s"] > fixed_plain["mean_latency_s"] + 0.05 * fixed_plain["mean_steps"] * 0.9
+
+
+def test_the_simulators_requests_run_only_on_instances_of_the_model_they_name():
+    """One model everywhere by default (every other test); instances of another model never run them."""
+    preset = PRESETS.get("tiny").quick()
+    other = dataclasses.replace(preset, cluster=dataclasses.replace(preset.cluster, model="other"))
+    result = experiments.compare(experiments.setup(other, trace=make_trace(), prediction="fallback"), ["dilaserve"])
+    assert [p["num_finished"] for p in result["policies"]["dilaserve"]["points"]] == [0, 0]
