@@ -222,7 +222,7 @@ def divide_gpus(
     """
     options = options or Stage1Options()
     _check_models(models)
-    joint = _JointInputs.build(models, cluster, options, running_models)
+    joint = _JointInputs.build(models, cluster, options, running_models, fixed_instances)
     if len(models) == 1 and not joint.inputs[0].class_names:
         plan = _idle_plan(joint.inputs[0], None if fixed_instances is None else fixed_instances[models[0].name])
         return joint.division({models[0].name: plan}, plan.objective)
@@ -278,6 +278,7 @@ class _JointInputs:
         cluster: Cluster,
         options: Stage1Options,
         running_models: Mapping[Instance, str] | None,
+        fixed_instances: dict[str, dict[int, int]] | None = None,
     ) -> _JointInputs:
         inputs = [precompute_model(m, cluster, options) for m in models]
         _rescale_weights(models, inputs)
@@ -298,6 +299,9 @@ class _JointInputs:
         for k, m in enumerate(models):
             if len(models) == 1 or m.has_load:
                 joint.loaded.append(k)
+            elif fixed_instances is not None:  # scoring a given division: an idle model holds what it is given
+                given = fixed_instances.get(m.name, {})
+                joint.pinned[k] = {d: given.get(d, 0) for d in inputs[k].tp_degrees}
             else:
                 joint.pinned[k] = joint.pin_idle(k)
         return joint
@@ -731,7 +735,9 @@ def fill_spare_gpus_joint(division: DivisionPlan, joint: _JointInputs) -> Divisi
     in_use = [(k, d) for k in joint.loaded for d in joint.inputs[k].tp_degrees if counts[(k, d)] > 0]
 
     def utilisation(key: tuple[int, int]) -> float:
-        return in_service.get(key, 0.0) / (plans[names[key[0]]].batch_by_tp[key[1]] * counts[key])
+        k, d = key
+        batch = plans[names[k]].batch_by_tp.get(d, joint.inputs[k].batches_by_tp[d][0])
+        return in_service.get(key, 0.0) / (batch * counts[key])
 
     while candidates := [key for key in in_use if joint.fits(with_one_more(key))]:
         busiest = max(candidates, key=lambda key: (utilisation(key), key[1], -key[0]))

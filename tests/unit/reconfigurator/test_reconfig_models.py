@@ -310,3 +310,31 @@ def test_plan_models_divides_places_and_scores_what_runs():
     assert_valid(second.placement, cluster.with_placement(tuple(running)), running, wanted)
     assert set(second.solve_s) == {"stage1", "stage2", "current"}
     assert json.dumps(second.to_dict())
+
+
+def test_with_a_switch_cost_running_instances_are_kept_where_they_fit(profile, cluster16):
+    running = (Instance("node-0", 2, (0, 1)), Instance("node-0", 2, (2, 3)), Instance("node-1", 4, (0, 1, 2, 3)))
+    names = {inst: "a" for inst in running}
+    cluster = cluster16.with_placement(running)
+
+    def divide(switch_s: float):
+        models = (ModelDemand("a", make_workload(0.5), profile, switch_s=switch_s),
+                  ModelDemand("b", make_workload(0.2), profile, switch_s=switch_s))
+        return divide_gpus(models, cluster, running_models=names)
+
+    free, costly = divide(0.0), divide(100.0)
+    assert free.instances_by_model_tp["a"][2] == 0  # free moves: the TP-2s give way to the best shape
+    assert costly.instances_by_model_tp["a"][2] == 2 and costly.started_by_model["a"][2] == 0
+    assert costly.instances_by_model_tp["a"][4] >= 1 and costly.num_gpus_used <= 16
+    assert costly.switch_gpu_s == pytest.approx(
+        100.0 * sum(tp * n for by_tp in costly.started_by_model.values() for tp, n in by_tp.items())
+    )
+
+
+def test_scoring_a_given_division_holds_an_idle_model_at_what_it_is_given():
+    busy = ModelDemand("busy", example_at(40), example_profile())
+    idle = ModelDemand("idle", example_at(0.0), example_profile(), min_instances=1)
+    given = {"busy": {8: 6}, "idle": {8: 2}}
+    scored = divide_gpus((busy, idle), cluster64(), fixed_instances=given)
+    assert scored.instances_by_model_tp["idle"] == {1: 0, 2: 0, 4: 0, 8: 2}
+    assert scored.instances_by_model_tp["busy"] == {1: 0, 2: 0, 4: 0, 8: 6}
