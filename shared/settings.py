@@ -41,6 +41,23 @@ def _model_dir(service: str, description: str) -> Any:
                  description=description)
 
 
+MODEL_DIRS_ENV = f"{ENV_PREFIX}MODEL_DIRS"
+
+
+def _model_dirs(service: str) -> Any:
+    """Several served models' directories, comma-separated: ``DLS_<SERVICE>_MODEL_DIRS``, else
+    ``DLS_MODEL_DIRS`` (what ``dls up --model A --model B`` sets for every service at once); empty: the
+    service's ``model_dir`` alone. Each basename is a model's name (what requests name)."""
+    return Field("", validation_alias=AliasChoices(f"{ENV_PREFIX}{service}_model_dirs".upper(), MODEL_DIRS_ENV),
+                 description="several served models: their directories, comma-separated (each basename is a "
+                             "model's name; requests name one); empty: model_dir alone")
+
+
+def split_model_dirs(model_dirs: str, model_dir: str) -> list[str]:
+    """The served models' directories: ``model_dirs`` (comma-separated), else ``model_dir`` alone."""
+    return [d.strip() for d in model_dirs.split(",") if d.strip()] or [model_dir]
+
+
 class ServiceSettings(BaseSettings):
     """What every service needs: where NATS and Redis are, and the names it shares with the others."""
 
@@ -78,7 +95,19 @@ class ServiceSettings(BaseSettings):
         return Subjects(prefix).prefix  # SubjectError (a ValueError) names what is wrong
 
 
-class GatewaySettings(ServiceSettings):
+class ServesModels:
+    """A service that serves one model or several (``model_dir``, ``model_dirs``)."""
+
+    model_dir: str
+    model_dirs: str
+
+    @property
+    def served_model_dirs(self) -> list[str]:
+        """The served models' directories: ``model_dirs``, else ``model_dir`` alone."""
+        return split_model_dirs(self.model_dirs, self.model_dir)
+
+
+class GatewaySettings(ServesModels, ServiceSettings):
     """The HTTP edge."""
 
     host: str = _own("gateway", "host", "127.0.0.1", "address the HTTP server binds")
@@ -109,9 +138,7 @@ class GatewaySettings(ServiceSettings):
                                     "give up waiting for a request's final event after this long", gt=0)
     model_dir: str = _model_dir("gateway", "served model's directory (tokenizer, config, calibration); its basename "
                                            "is the model name")
-    model_dirs: str = _own("gateway", "model_dirs", "",
-                           "several served models: their directories, comma-separated (each basename is a model's "
-                           "name; requests name one); empty: model_dir alone")
+    model_dirs: str = _model_dirs("gateway")
     model_slo_ms: str = _own("gateway", "model_slo_ms", "",
                              "a default SLO (ms) per model, as name=ms pairs, comma-separated (what a request that "
                              "sets no slo_ms gets); a model not named: from its profile, as default_slo_ms says")
@@ -163,10 +190,6 @@ class GatewaySettings(ServiceSettings):
         parse_model_slos(value)  # a ValueError naming the pair that is wrong
         return value
 
-    @property
-    def served_model_dirs(self) -> list[str]:
-        """The served models' directories: ``model_dirs``, else ``model_dir`` alone."""
-        return [d.strip() for d in self.model_dirs.split(",") if d.strip()] or [self.model_dir]
 
     @property
     def slo_ms_by_model(self) -> dict[str, float]:
@@ -188,7 +211,7 @@ def parse_model_slos(text: str) -> dict[str, float]:
     return out
 
 
-class SchedulerSettings(ServiceSettings):
+class SchedulerSettings(ServesModels, ServiceSettings):
     """The step loop."""
 
     policy: str = _own("scheduler", "policy", "dilaserve", "scheduling policy, by registry name")
@@ -209,6 +232,7 @@ class SchedulerSettings(ServiceSettings):
                         "empty: the served model's calibration's")
     model_dir: str = _model_dir("scheduler", "served model (its config gives the mask id; its calibration the "
                                              "candidate thresholds)")
+    model_dirs: str = _model_dirs("scheduler")
     consumer_name: str = _own("scheduler", "consumer_name", "scheduler", "durable JetStream consumer on the intake")
     intake_batch: int = _own("scheduler", "intake_batch", 64, "most intake messages fetched at once", gt=0)
     ack_wait_s: float = _own("scheduler", "ack_wait_s", 30.0,
@@ -308,11 +332,12 @@ class WorkerSettings(ServiceSettings):
         return None if instance_id is None else check_id(instance_id, "instance id")  # it is a subject token
 
 
-class PredictorSettings(ServiceSettings):
+class PredictorSettings(ServesModels, ServiceSettings):
     """The remaining-step predictor."""
 
     model_dir: str = _model_dir("predictor", "served model: its calibration's predictor answers (uncalibrated: a "
                                              "model-free bound)")
+    model_dirs: str = _model_dirs("predictor")
     mode: Literal["online", "one-shot"] = _own("predictor", "mode", "online",
                                                "online (progress features) or one-shot (arrival estimate)")
     queue_group: str = _own("predictor", "queue_group", "predictor", "NATS queue group of predictor replicas")
@@ -342,11 +367,12 @@ class PredictorSettings(ServiceSettings):
         return self.retrain or self.live_error_rows > 0
 
 
-class ReconfiguratorSettings(ServiceSettings):
+class ReconfiguratorSettings(ServesModels, ServiceSettings):
     """The periodic cluster planner."""
 
     model_dir: str = _model_dir("reconfigurator", "served model: its calibration's profile plans the cluster "
                                                   "(uncalibrated: observe only)")
+    model_dirs: str = _model_dirs("reconfigurator")
     enabled: bool = _own("reconfigurator", "enabled", True, "publish plans; false: observe only")
     interval_s: float = _own("reconfigurator", "interval_s", 300.0, "period between plans", gt=0)
     cluster: str | None = _own("reconfigurator", "cluster", None,

@@ -105,6 +105,7 @@ class InstanceSlot(Part, kw_only=True):
 
     tp: int  # tensor-parallel degree
     gpu_ids: list[int]  # the node's GPUs it occupies (len == tp)
+    model: str = ""  # the model it serves (a served model's name); "": the node agent's own model
 
 
 class NodePlan(Part, kw_only=True):
@@ -122,7 +123,8 @@ class ReconfigPlan(Message, kw_only=True):
     plan_id: str  # acknowledgements name it
     created_at: float  # unix time (s) the plan was made
     nodes: list[NodePlan]  # per-node keep/stop/start lists
-    instances_by_tp: dict[int, int]  # tp degree -> instances once applied
+    instances_by_tp: dict[int, int]  # tp degree -> instances once applied (every model's)
+    instances_by_model: dict[str, dict[int, int]] = {}  # model -> tp degree -> instances (several models)
     batch_by_tp: dict[int, int] = {}  # tp degree -> batch size Stage 1 planned
     avg_threshold: float | None = None  # Stage 1's primary objective; None: fallback plan
     fallback_reason: str | None = None  # set when Stage 1 was infeasible and this is all-TP-1
