@@ -400,10 +400,23 @@ class ReconfiguratorSettings(ServesModels, ServiceSettings):
                          "(its new instances are up); false: every node at once")
 
 
-class NodeAgentSettings(ServiceSettings):
+class NodeAgentSettings(ServesModels, ServiceSettings):
     """Starts and stops worker processes on one node."""
 
     node: str = _own("node_agent", "node", "local", "this node's name (plans address it)")
+    # NOTE: DLS_WORKER_MODEL_DIR too, so an agent whose environment names its workers' model that way (as
+    # `dls up` did, and as "any DLS_WORKER_* set for the agent reaches every worker" allowed) serves it still.
+    model_dir: str = Field(DEFAULT_MODEL_DIR,
+                           validation_alias=AliasChoices("DLS_NODE_AGENT_MODEL_DIR", "DLS_WORKER_MODEL_DIR",
+                                                         MODEL_DIR_ENV),
+                           description="the model its workers serve (each worker gets it as DLS_WORKER_MODEL_DIR); "
+                                       "with several models, the first of them is also the one of a plan's slot "
+                                       "that names none")
+    model_dirs: str = _model_dirs("node_agent")
+    initial_models: list[str] = _own("node_agent", "initial_models", [],
+                                     "the served model of each worker started at boot, by name (a directory's "
+                                     "basename), in the order of DLS_NODE_AGENT_INITIAL_INSTANCES (JSON list as "
+                                     "long as it); empty: the served models in turn")
     gpu_ids: list[int] = _own("node_agent", "gpu_ids", [0], "GPUs this agent manages (JSON list)")
     num_gpus: int | None = _own("node_agent", "num_gpus", None,
                                 "GPUs of this node; with DLS_NODE_AGENT_GPU_IDS unset they are 0..n-1, and with "

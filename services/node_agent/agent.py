@@ -1,11 +1,15 @@
 """The node agent: starts, stops and restarts the worker processes on one node's GPU slots.
 
+- Models: the agent serves ``served_model_dirs`` (one model, or several: ``model_dirs``); a model's
+  name is its directory's basename. Each worker serves one of them, for its whole life (restarts too).
 - Boot: one worker per TP degree in ``initial_instances``, each on the first free aligned slot (slot
-  k of degree d is the sorted GPUs ``[k*d, (k+1)*d)``, as the reconfigurator's Stage 2 counts them).
+  k of degree d is the sorted GPUs ``[k*d, (k+1)*d)``, as the reconfigurator's Stage 2 counts them),
+  serving the model ``initial_models`` names in the same place (unset: the served models in turn).
 - ``plans``: the ``NodePlan`` of this node (plans for other nodes are ignored). Stops first
   (SIGTERM to the worker holding exactly those GPUs, which drains and exits; SIGKILL to its process
   group after ``stop_timeout_s``), then starts (spawn, wait for its READY heartbeat up to
-  ``start_timeout_s``), then a ``PlanAck`` on ``plans.ack``: APPLIED, PARTIAL (``detail`` says what
+  ``start_timeout_s``; a slot's ``model`` names the model its worker serves, "" the first, one this
+  agent does not serve fails that start), then a ``PlanAck`` on ``plans.ack``: APPLIED, PARTIAL (``detail`` says what
   failed) or FAILED, with the instance ids started and stopped. A plan that arrives while another is
   being applied is REJECTED.
 - Restarts: a worker that exits without being asked is logged and started again on the same GPUs,
@@ -20,7 +24,8 @@
 
 A worker is ``worker_command`` (a leading ``python`` is this interpreter) in its own session and
 process group, with the agent's environment plus the connection settings and ``DLS_WORKER_INSTANCE_ID``,
-``DLS_WORKER_NODE``, ``DLS_WORKER_GPU_IDS`` (JSON list) and ``DLS_WORKER_TP``, pinned to its slot's
+``DLS_WORKER_NODE``, ``DLS_WORKER_GPU_IDS`` (JSON list), ``DLS_WORKER_TP`` and ``DLS_WORKER_MODEL_DIR`` (its
+model's directory; ``DLS_CALIBRATION_DIR`` only for the first model's workers, as in the gateway), pinned to its slot's
 GPUs with ``CUDA_VISIBLE_DEVICES`` (the agent's GPU ids are positions in the ``CUDA_VISIBLE_DEVICES``
 the agent was given, if any): it sees them as ``cuda:0 .. cuda:tp-1``, where ``DLS_WORKER_DEVICE=cuda``
 puts its ranks. Its stdout and stderr go to ``<log_dir>/<instance id>.log`` (appended across
@@ -83,6 +88,33 @@ def worker_argv(command: str, python: str = sys.executable) -> list[str]:
 def new_instance_id(node: str, tp: int, gpu_ids: Iterable[int]) -> str:
     """``<node>-tp<d>-g<first gpu>-<4 hex>``: readable, unique, a valid subject token."""
     return check_id(f"{node}-tp{tp}-g{min(gpu_ids)}-{secrets.token_hex(2)}", "instance id")
+
+
+def served_models(model_dirs: Iterable[str]) -> dict[str, str]:
+    """Model name (its directory's basename) -> directory; ``AgentError`` when two share a name."""
+    name_to_dir: dict[str, str] = {}  # model name -> its directory
+    for directory in model_dirs:
+        name = Path(directory).name
+        if name in name_to_dir:
+            raise AgentError(f"DLS_NODE_AGENT_MODEL_DIRS (or DLS_MODEL_DIRS): {name_to_dir[name]} and {directory} are "
+                             f"both the model {name!r} (a model's name is its directory's basename): rename one")
+        name_to_dir[name] = directory
+    return name_to_dir
+
+
+def boot_models(initial_models: list[str], num_instances: int, served: list[str]) -> list[str]:
+    """The model of each boot-time worker: ``initial_models`` checked against the ``served`` names, or
+    (empty) the served models in turn; ``AgentError`` naming the setting otherwise."""
+    if not initial_models:
+        return [served[i % len(served)] for i in range(num_instances)]
+    if len(initial_models) != num_instances:
+        raise AgentError(f"DLS_NODE_AGENT_INITIAL_MODELS {initial_models} names {len(initial_models)} models for "
+                         f"{num_instances} initial instances (DLS_NODE_AGENT_INITIAL_INSTANCES): one per instance")
+    unknown = sorted(set(initial_models) - set(served))
+    if unknown:
+        raise AgentError(f"DLS_NODE_AGENT_INITIAL_MODELS: {', '.join(map(repr, unknown))} not served by this agent "
+                         f"(it serves {', '.join(served)}: DLS_NODE_AGENT_MODEL_DIRS, else DLS_MODEL_DIRS)")
+    return list(initial_models)
 
 
 def first_free_slot(gpu_ids: Iterable[int], busy_gpu_ids: set[int], tp: int) -> tuple[int, ...] | None:
@@ -149,6 +181,7 @@ class Worker:
     tp: int
     gpu_ids: tuple[int, ...]
     restartable: bool  # restart it when it exits unasked (plan-started workers: once READY)
+    model: str = ""  # the served model's name, kept across restarts ("": the agent's first, as in InstanceSlot)
     process: asyncio.subprocess.Process | None = None
     spawned_at: float = 0.0  # unix time of the current process's spawn
     stopping: bool = False  # the agent asked it to stop: its exit is expected
@@ -168,11 +201,11 @@ class Worker:
         return self.tp == slot.tp and self.gpu_ids == tuple(sorted(slot.gpu_ids))
 
     def describe(self) -> str:
-        return f"{self.instance_id} (TP-{self.tp} on GPUs {list(self.gpu_ids)})"
+        return f"{self.instance_id} ({self.model}, TP-{self.tp} on GPUs {list(self.gpu_ids)})"
 
 
 def describe_slot(slot: InstanceSlot) -> str:
-    return f"TP-{slot.tp} on GPUs {list(slot.gpu_ids)}"
+    return f"TP-{slot.tp} on GPUs {list(slot.gpu_ids)}" + (f" of model {slot.model!r}" if slot.model else "")
 
 
 class NodeAgent:
@@ -194,7 +227,10 @@ class NodeAgent:
         except DeviceError as exc:
             raise AgentError(f"DLS_NODE_AGENT_GPU_IDS {list(self.gpu_ids)}: {exc}") from None
         self.argv = worker_argv(settings.worker_command)
+        self.model_dirs = served_models(settings.served_model_dirs)  # model name -> its directory
+        self.default_model = next(iter(self.model_dirs))  # a plan's slot that names no model serves this one
         self.boot_slots = initial_slots(self.gpu_ids, settings.initial_instances)
+        self.boot_models = boot_models(settings.initial_models, len(self.boot_slots), list(self.model_dirs))
         self.log_dir = Path(settings.log_dir)
         self.subjects = Subjects(settings.subject_prefix)
         self.workers: dict[str, Worker] = {}  # instance id -> worker (running, starting or awaiting restart)
@@ -219,16 +255,17 @@ class NodeAgent:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._subscriptions.append(await self.nc.subscribe(self.subjects.heartbeat, cb=self._on_heartbeat))
         self._subscriptions.append(await self.nc.subscribe(self.subjects.plans, cb=self._on_plan))
-        for slot in self.boot_slots:
-            worker = Worker(new_instance_id(self.node, len(slot), slot), len(slot), slot, restartable=True)
+        for slot, model in zip(self.boot_slots, self.boot_models, strict=True):
+            worker = Worker(new_instance_id(self.node, len(slot), slot), len(slot), slot, restartable=True,
+                            model=model)
             self.workers[worker.instance_id] = worker
             try:
                 await self._spawn(worker)
             except OSError as exc:
                 raise AgentError(f"cannot run the worker command {shlex.join(self.argv)}: {exc}") from None
         self._watchdog_task = asyncio.create_task(self._watchdog(), name="watchdog")
-        logger.info("node agent %s up: GPUs %s, workers %s, command %s", self.node, list(self.gpu_ids),
-                    [w.describe() for w in self.workers.values()], shlex.join(self.argv))
+        logger.info("node agent %s up: GPUs %s, models %s, workers %s, command %s", self.node, list(self.gpu_ids),
+                    self.model_dirs, [w.describe() for w in self.workers.values()], shlex.join(self.argv))
 
     async def shutdown(self) -> None:
         """Stop taking plans, stop every worker (SIGTERM, then SIGKILL after ``stop_timeout_s``)."""
@@ -266,10 +303,13 @@ class NodeAgent:
             "DLS_WORKER_NODE": self.node,
             "DLS_WORKER_GPU_IDS": json.dumps(list(worker.gpu_ids)),
             "DLS_WORKER_TP": str(worker.tp),
+            "DLS_WORKER_MODEL_DIR": self.model_dirs[worker.model or self.default_model],
             VISIBLE_DEVICES: pin(worker.gpu_ids, os.environ.get(VISIBLE_DEVICES)),
             # scheduler shards take the node's slots in turn (a hash of a few instance ids can leave one empty)
             "DLS_WORKER_SHARD": str((worker.gpu_ids[0] // worker.tp if worker.gpu_ids else 0) % s.scheduler_shards),
         })
+        if worker.model not in ("", self.default_model):  # as in the gateway: DLS_CALIBRATION_DIR is the first model's
+            env["DLS_CALIBRATION_DIR"] = ""  # its calibration is inside its own directory
         if s.otel_endpoint:
             env["DLS_OTEL_ENDPOINT"] = s.otel_endpoint
         if "OTEL_SERVICE_NAME" in env:  # the agent's own name is inherited otherwise
@@ -385,7 +425,8 @@ class NodeAgent:
     async def _start(self, slot: InstanceSlot) -> tuple[str | None, str | None]:
         """Spawn a worker on ``slot`` and wait for it to be READY: (instance id, None) or (None, problem)."""
         gpu_ids = tuple(sorted(slot.gpu_ids))
-        worker = Worker(new_instance_id(self.node, slot.tp, gpu_ids), slot.tp, gpu_ids, restartable=False)
+        worker = Worker(new_instance_id(self.node, slot.tp, gpu_ids), slot.tp, gpu_ids, restartable=False,
+                        model=slot.model or self.default_model)
         self.workers[worker.instance_id] = worker
         try:
             await self._spawn(worker)
@@ -481,6 +522,9 @@ class NodeAgent:
             worker = next((w for w in self.workers.values() if w.holds(slot) and not w.stopping), None)
             if worker is None:
                 problems.append(f"stop {describe_slot(slot)}: no worker holds exactly these GPUs")
+            elif slot.model and slot.model != worker.model:  # never stop another model's instance
+                problems.append(f"stop {describe_slot(slot)}: the worker there, {worker.instance_id}, serves "
+                                f"{worker.model!r}")
             else:
                 to_stop.append(worker)
         for slot in node_plan.keep:
@@ -508,6 +552,9 @@ class NodeAgent:
                                 f"managed by this agent (it has {list(self.gpu_ids)})")
             elif gpus & busy:
                 problems.append(f"start {describe_slot(slot)}: GPUs {sorted(gpus & busy)} are in use")
+            elif slot.model and slot.model not in self.model_dirs:
+                problems.append(f"start {describe_slot(slot)}: model {slot.model!r} is not served by this agent "
+                                f"(it serves {', '.join(self.model_dirs)})")
             else:
                 busy |= gpus
                 startable.append(slot)

@@ -9,7 +9,9 @@ ever since: its heartbeats go on, its step never returns), FAKE_WORKER_MUTE_SECO
 process on this GPU never sends a heartbeat: a restart that hangs before it is READY),
 FAKE_WORKER_DEVICES_DIR (before its first heartbeat it writes ``<instance id>.json`` there: the
 ``CUDA_VISIBLE_DEVICES`` it was given and the machine's GPUs its engine would put its ranks on,
-``services.worker.parallel.placement.rank_gpus`` for the device its settings name)."""
+``services.worker.parallel.placement.rank_gpus`` for the device its settings name). It serves (says in its
+heartbeats) the model its ``DLS_WORKER_MODEL_DIR`` names, as a real worker does, and records that variable
+and ``DLS_CALIBRATION_DIR`` in ``<pid dir>/<instance id>.<pid>``."""
 
 from __future__ import annotations
 
@@ -58,10 +60,12 @@ TP = int(os.environ["DLS_WORKER_TP"])
 GPU_IDS = json.loads(os.environ["DLS_WORKER_GPU_IDS"])
 NODE = os.environ["DLS_WORKER_NODE"]
 INTERVAL_S = float(os.environ.get("DLS_WORKER_HEARTBEAT_INTERVAL_S", "0.2"))
+MODEL = os.path.basename(os.environ["DLS_WORKER_MODEL_DIR"])  # a model's name: its directory's basename
 
 
 async def main():
-    open(os.path.join(os.environ["FAKE_WORKER_PID_DIR"], f"{INSTANCE_ID}.{os.getpid()}"), "w").close()
+    with open(os.path.join(os.environ["FAKE_WORKER_PID_DIR"], f"{INSTANCE_ID}.{os.getpid()}"), "w") as out:
+        json.dump({name: os.environ.get(name) for name in ("DLS_WORKER_MODEL_DIR", "DLS_CALIBRATION_DIR")}, out)
     print(f"fake worker {INSTANCE_ID} tp {TP} gpus {GPU_IDS} pid {os.getpid()}", flush=True)
     if os.environ.get("FAKE_WORKER_FAIL_TP") == str(TP):
         print("failing on purpose", flush=True)
@@ -100,7 +104,7 @@ async def main():
         seq += 1
         running = time.monotonic() - stuck_since if stuck_since is not None else 0.0
         await nc.publish(subject, encode(WorkerHeartbeat(
-            instance_id=INSTANCE_ID, node=NODE, tp=TP, gpu_ids=GPU_IDS, max_batch=4, model="fake", status=status,
+            instance_id=INSTANCE_ID, node=NODE, tp=TP, gpu_ids=GPU_IDS, max_batch=4, model=MODEL, status=status,
             ttl_s=3 * INTERVAL_S, sent_at=time.time(), started_at=started_at, seq=seq, step_running_s=running)))
 
     while not stop.is_set():
@@ -147,6 +151,10 @@ class Cluster:
     def pids(self, instance_id: str | None = None) -> list[int]:
         return sorted(int(p.name.rsplit(".", 1)[1]) for p in self.pid_dir.iterdir() if "." in p.name
                       if instance_id is None or p.name.rsplit(".", 1)[0] == instance_id)
+
+    def env(self, instance_id: str, pid: int) -> dict[str, str | None]:
+        """The model variables the agent gave that process of ``instance_id``."""
+        return json.loads((self.pid_dir / f"{instance_id}.{pid}").read_text())
 
     def ack_for(self, plan_id: str) -> PlanAck | None:
         return next((a for a in self.acks if a.plan_id == plan_id), None)
@@ -210,8 +218,10 @@ def run_agent(agent: subprocess.Popen, log: Path, main) -> None:
 
 
 def plan(plan_id: str, node: str, stop=(), start=(), keep=()) -> bytes:
-    def slots(pairs):
-        return [InstanceSlot(tp=tp, gpu_ids=list(gpus)) for tp, gpus in pairs]
+    """A plan for ``node``; each slot is ``(tp, gpus)`` or ``(tp, gpus, model)``."""
+    def slots(entries):
+        return [InstanceSlot(tp=tp, gpu_ids=list(gpus), model=model[0] if model else "")
+                for tp, gpus, *model in entries]
 
     return encode(ReconfigPlan(plan_id=plan_id, created_at=time.time(), instances_by_tp={1: 1},
                                nodes=[NodePlan(node=node, keep=slots(keep), stop=slots(stop), start=slots(start))]))
@@ -377,3 +387,62 @@ def test_hung_workers_are_killed_and_replaced(nats_server, unique_prefix, tmp_pa
     text = log.read_text()
     assert "is hung (a step computing for" in text and "is hung (no heartbeat for" in text, text[-3000:]
     assert "is hung (not READY " in text, text[-3000:]
+
+
+def test_each_worker_serves_its_slots_model_across_plans_and_restarts(nats_server, unique_prefix, tmp_path):
+    """Two served models, alpha and beta: the boot workers take them in turn; a plan's start slot naming
+    beta spawns a worker given beta's directory (and not alpha's calibration) that heartbeats beta, and
+    beta again after a crash; a slot naming no model serves the first; a slot naming a model the agent
+    does not serve, or stopping another model's instance, fails with a detail naming the model."""
+    alpha, beta = tmp_path / "models" / "alpha", tmp_path / "models" / "beta"
+    alpha_calibration = str(tmp_path / "alpha-calibration")
+    cluster = Cluster(tmp_path / "pids")
+
+    def models_by_gpu() -> dict[int, str]:
+        return {cluster.beats[i].gpu_ids[0]: cluster.beats[i].model for i in cluster.ready_ids()}
+
+    async def main(agent, log):
+        nc, subjects = await watch(nats_server.url, unique_prefix, cluster)
+        await until(lambda: len(cluster.ready_ids()) == 2, "the two initial workers", agent, log)
+        assert models_by_gpu() == {0: "alpha", 1: "beta"}
+
+        await nc.publish(subjects.plans, plan("p-1", "n1", start=[(1, [2], "beta"), (1, [3], "gamma")]))
+        await until(lambda: cluster.ack_for("p-1") is not None, "the ack of p-1", agent, log)
+        ack = cluster.ack_for("p-1")
+        assert ack.status == PlanAckStatus.PARTIAL, ack.detail
+        assert "start TP-1 on GPUs [3] of model 'gamma': model 'gamma' is not served by this agent" in ack.detail
+        assert "(it serves alpha, beta)" in ack.detail
+        [beta_id] = ack.started_instance_ids
+        assert cluster.beats[beta_id].model == "beta" and cluster.beats[beta_id].gpu_ids == [2]
+        [beta_pid] = cluster.pids(beta_id)
+        assert cluster.env(beta_id, beta_pid) == {"DLS_WORKER_MODEL_DIR": str(beta), "DLS_CALIBRATION_DIR": ""}
+        assert agent.poll() is None  # an unknown model fails its slot, not the agent
+
+        # a crash: restarted on its GPUs, serving beta still
+        first_start = cluster.beats[beta_id].started_at
+        os.kill(beta_pid, signal.SIGKILL)
+        await until(lambda: len(cluster.pids(beta_id)) == 2 and cluster.beats[beta_id].started_at != first_start
+                    and cluster.beats[beta_id].status == WorkerStatus.READY, "the restart", agent, log)
+        restarted_pid = max(cluster.pids(beta_id))
+        assert cluster.beats[beta_id].model == "beta"
+        assert cluster.env(beta_id, restarted_pid)["DLS_WORKER_MODEL_DIR"] == str(beta)
+
+        # stopping GPU 0 as beta's instance: it serves alpha, so it stays; a slot naming no model is alpha's
+        await nc.publish(subjects.plans, plan("p-2", "n1", stop=[(1, [0], "beta")], start=[(1, [3])]))
+        await until(lambda: cluster.ack_for("p-2") is not None, "the ack of p-2", agent, log)
+        ack = cluster.ack_for("p-2")
+        assert ack.status == PlanAckStatus.PARTIAL and ack.stopped_instance_ids == [], ack.detail
+        assert "stop TP-1 on GPUs [0] of model 'beta': the worker there" in ack.detail and "serves 'alpha'" in ack.detail
+        [alpha_id] = ack.started_instance_ids
+        assert cluster.beats[alpha_id].model == "alpha"
+        [alpha_pid] = cluster.pids(alpha_id)
+        assert cluster.env(alpha_id, alpha_pid) == {"DLS_WORKER_MODEL_DIR": str(alpha),
+                                                    "DLS_CALIBRATION_DIR": alpha_calibration}
+        assert models_by_gpu() == {0: "alpha", 1: "beta", 2: "beta", 3: "alpha"}
+        await nc.close()
+
+    agent, log = start_agent(tmp_path, nats_server.url, unique_prefix, [0, 1, 2, 3], [1, 1],
+                             DLS_NODE_AGENT_MODEL_DIRS=f"{alpha},{beta}", DLS_CALIBRATION_DIR=alpha_calibration)
+    run_agent(agent, log, main)
+    text = log.read_text()
+    assert "(beta, TP-1 on GPUs [2])" in text and "(alpha, TP-1 on GPUs [0])" in text  # its log names each model
