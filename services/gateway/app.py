@@ -666,8 +666,8 @@ def default_slos_of(settings: GatewaySettings, catalogue: ModelCatalogue, ask) -
     """Each served model's default SLOs: the configured figure (``DLS_GATEWAY_MODEL_SLO_MS``), else timed
     with its profile."""
     fixed = settings.slo_ms_by_model
-    return {m.name: DefaultSlo(None, ask, fixed[m.name], time.time) if m.name in fixed
-            else DefaultSlo(slo_estimator(settings, m), ask, settings.default_slo_ms, time.time)
+    return {m.name: DefaultSlo(None, ask, fixed[m.name], time.time, model=m.name) if m.name in fixed
+            else DefaultSlo(slo_estimator(settings, m), ask, settings.default_slo_ms, time.time, model=m.name)
             for m in catalogue.models}
 
 

@@ -8,7 +8,8 @@ busy host add.
 
 The estimate comes from the predictor service (``PredictRequest`` with ``one_shot``, over NATS): the
 gateway asks the same model the scheduler's predictions come from, loaded once, from one setting
-(``DLS_PREDICTOR_MODEL_DIR``), and the gateway itself holds no model and none of the predictor's code.
+(``DLS_PREDICTOR_MODEL_DIR``, or each of ``DLS_PREDICTOR_MODEL_DIRS``: the query names the model it is for),
+and the gateway itself holds no model and none of the predictor's code.
 A request shape (prompt length, canvas, block, cache) is asked once and remembered for
 ``CACHE_TTL_S``; while the predictor does not answer, requests get ``DLS_GATEWAY_DEFAULT_SLO_MS``
 and the gateway asks again after ``RETRY_S``.
@@ -73,11 +74,13 @@ class SloEstimator:
         return max(self.floor_ms, self.factor * 1000.0 * self.isolated_latency_s(steps, cache_mode))
 
 
-def one_shot_request(prompt_length: int, gen_length: int, block_length: int, cache_mode: CacheMode) -> PredictRequest:
-    """What the gateway asks the predictor service: a request that has run no step, at the reference threshold."""
+def one_shot_request(prompt_length: int, gen_length: int, block_length: int, cache_mode: CacheMode,
+                     model: str = "") -> PredictRequest:
+    """What the gateway asks the predictor service: a request of ``model`` ("": the predictor's first served
+    model) that has run no step, at the reference threshold."""
     query = PredictionQuery(request_id="default-slo", num_steps_done=0, gen_length=gen_length,
                             prompt_length=prompt_length, block_length=block_length,
-                            uses_cache=cache_mode is not CacheMode.NONE)
+                            uses_cache=cache_mode is not CacheMode.NONE, model=model)
     return PredictRequest(queries=[query], thresholds=[REFERENCE_THRESHOLD], one_shot=True)
 
 
@@ -88,10 +91,12 @@ class DefaultSlo:
     """Default SLOs from the predictor service's one-shot estimates: asked per shape, remembered."""
 
     def __init__(self, estimator: SloEstimator | None, ask: Callable[[PredictRequest], Awaitable[PredictReply]],
-                 fallback_ms: float, clock: Callable[[], float]) -> None:
+                 fallback_ms: float, clock: Callable[[], float], model: str = "") -> None:
         """``estimator``: None when the profile is unusable (every request gets ``fallback_ms``);
-        ``ask``: the request/reply call to the predictor service (raises when it does not answer)."""
+        ``ask``: the request/reply call to the predictor service (raises when it does not answer);
+        ``model``: the served model these SLOs are for (its own predictor answers; "": the predictor's first)."""
         self.estimator = estimator
+        self.model = model
         self.ask = ask
         self.fallback_ms = fallback_ms
         self.clock = clock
@@ -120,7 +125,7 @@ class DefaultSlo:
 
     async def _predict(self, shape: Shape) -> tuple[float, float] | None:
         try:
-            reply = await self.ask(one_shot_request(*shape))
+            reply = await self.ask(one_shot_request(*shape, model=self.model))
         except Exception as exc:  # noqa: BLE001 (no predictor, a timeout: the fixed default for a while)
             logger.warning("default SLOs are %.0f ms for %.0f s: the predictor did not answer (%s)",
                            self.fallback_ms, RETRY_S, exc)

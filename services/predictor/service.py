@@ -1,24 +1,30 @@
 """The predictor service: remaining-step predictions over NATS request/reply.
 
-A thin loop around the core's predictors (``services/predictor/core/predictor.py``):
+A thin loop around the core's predictors (``services/predictor/core/predictor.py``), one set per served
+model (``models.py``: ``DLS_PREDICTOR_MODEL_DIRS``, else ``DLS_PREDICTOR_MODEL_DIR`` alone):
 
 - ``predict`` (queue group ``queue_group``, so replicas share the load): a ``PredictRequest`` with
   every query of a scheduling round. Its queries become the core's ``PredictionQuery`` field by
-  field, the whole batch goes to the LightGBM boosters in one call (in a thread, so the loop keeps
-  answering while it runs), and the answer is a ``PredictReply`` in query order with the model's
-  version. ``one_shot`` requests (or every request, with ``mode = "one-shot"``) use the arrival-time
-  model (``oneshot/`` beside the online one in the served model's calibration bundle), loaded the
-  first time it is needed. A model with no calibration is answered by ``BoundPredictor`` (the most
-  steps a request can take), said at start.
+  field, each query is answered by the predictor of the model it names (its request's; "": the first
+  served; with one model served, that one whatever it names), each model's queries go to its LightGBM
+  boosters in one call (in a thread, so the loop keeps answering while it runs), and the answer is a
+  ``PredictReply`` in query order with the version of each model's predictor that answered. A query
+  naming a model not served (several served) gets the whole reply's ``error``, naming it and the served
+  ones. ``one_shot`` requests (or every request, with ``mode = "one-shot"``) use the arrival-time model
+  (``oneshot/`` beside the online one in the model's calibration bundle), loaded the first time it is
+  needed. A model with no calibration is answered by ``BoundPredictor`` (the most steps a request can
+  take), said at start for that model.
 - Served requests (``DLS_PREDICTOR_RETRAIN``, ``DLS_PREDICTOR_LIVE_ERROR_ROWS``): on each
   ``RequestFinished`` (``<p>.events.*``) the request's record and step records are read back from the
   state store and turned into labelled states (``core/served.py``: the rows ``dls collect-traces``
-  writes); the serving predictor's error on them feeds ``dls_predictor_live_error``, and they join the
-  retraining window. Every ``DLS_PREDICTOR_RETRAIN_INTERVAL_S`` a new online model is trained on the
-  window in a thread (answers go on meanwhile) and replaces the serving one only where its error on the
-  most recent requests, held out, is lower (``core/retraining.py``); replies carry its version from then
-  on. A restart serves the calibration's predictor again (``DLS_PREDICTOR_LIVE_DIR`` keeps a copy of
-  each replacement to inspect or install).
+  writes); the record names its model, whose serving predictor's error on them feeds
+  ``dls_predictor_live_error`` (and the model's ``dls_predictor_model_live_error``), and they join that
+  model's retraining window. Every ``DLS_PREDICTOR_RETRAIN_INTERVAL_S`` each model's loop trains a new
+  online model on its window in a thread (answers go on meanwhile), which replaces that model's serving
+  one only where its error on the most recent requests, held out, is lower (``core/retraining.py``);
+  replies carry its version from then on. A restart serves the calibrations' predictors again
+  (``DLS_PREDICTOR_LIVE_DIR`` keeps a copy of each replacement to inspect or install; with several
+  models, in a folder per model).
 - Any failure (a malformed payload, a prediction error) is logged, counted and answered with
   ``error`` set; the service never crashes on a message.
 - SIGTERM / SIGINT: the subscription is drained (requests already received are answered), then
@@ -28,31 +34,35 @@ A thin loop around the core's predictors (``services/predictor/core/predictor.py
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from opentelemetry.trace import SpanKind
 
-from services.predictor.core.loading import ONE_SHOT_DIR
-from services.predictor.core.model import RECOMPUTE_FILE, TOTAL_FILE, StepModel
-from services.predictor.core.predictor import BoundPredictor, InProcessPredictor, OneShotPredictor, Predictor
+from services.predictor.core.predictor import InProcessPredictor
 from services.predictor.core.predictor import PredictionQuery as CoreQuery
 from services.predictor.core.predictor import StepPrediction as CoreStepPrediction
 from services.predictor.core.retraining import (
     LiveError,
     RetrainConfig,
     RetrainOutcome,
-    ServedWindow,
     not_ready,
     relative_errors,
     retrain,
 )
 from services.predictor.core.served import LabelledState, UnusableSteps, states_from_steps
-from shared.calibration import of_service, uncalibrated_message
+from services.predictor.metrics import ModelMetrics
+from services.predictor.models import (
+    LoadedPredictor,
+    ServedPredictor,
+    UnknownModelError,
+    load,
+    model_version,
+    served_predictors,
+    trained_version,
+)
 from shared.messages import codec
 from shared.messages.events import RequestEvent, RequestFinished
 from shared.messages.predictor import (
@@ -71,35 +81,8 @@ from shared.telemetry import extract_context, setup_tracing, shutdown_tracing, t
 
 logger = logging.getLogger("dls.predictor")
 
-
-@dataclass(frozen=True)
-class LoadedPredictor:
-    """A core predictor and the version string its replies carry."""
-
-    predictor: Predictor
-    version: str  # "<feature set>:<hash of the booster files>"
-
-
-def load(directory: str | Path, one_shot: bool) -> LoadedPredictor:
-    """The predictor trained in ``directory`` (``ModelError`` if unusable)."""
-    model = StepModel.load(directory)
-    predictor = OneShotPredictor(model) if one_shot else InProcessPredictor(model)
-    return LoadedPredictor(predictor, model_version(directory, model))
-
-
-def model_version(directory: str | Path, model: StepModel) -> str:
-    digest = hashlib.sha256()
-    for name in (TOTAL_FILE, RECOMPUTE_FILE):
-        digest.update((Path(directory) / name).read_bytes())
-    return f"{model.feature_set}:{digest.hexdigest()[:12]}"
-
-
-def trained_version(model: StepModel) -> str:
-    """The version of a model trained in this process (the same form: a hash of its boosters' text)."""
-    digest = hashlib.sha256()
-    for booster in (model.total, model.recompute):
-        digest.update(booster.model_to_string().encode())
-    return f"{model.feature_set}:{digest.hexdigest()[:12]}"
+# where they were before several models (``models.py`` is their home now)
+__all__ = ["LoadedPredictor", "PredictorService", "load", "model_version", "serve", "trained_version"]
 
 
 def to_core_query(query: PredictionQuery) -> CoreQuery:
@@ -118,6 +101,7 @@ def to_core_query(query: PredictionQuery) -> CoreQuery:
         uses_cache=query.uses_cache,
         threshold=query.threshold,
         predicted_end=query.predicted_end,
+        model=query.model,
     )
 
 
@@ -132,10 +116,22 @@ def to_wire_prediction(prediction: CoreStepPrediction) -> StepPrediction:
     )
 
 
+def reply_version(model_to_version: dict[str, str]) -> str:
+    """``PredictReply.model_version``: the one version that answered, or ``name=version`` of each model's."""
+    if len(model_to_version) == 1:
+        return next(iter(model_to_version.values()))
+    return ",".join(f"{name}={version}" for name, version in sorted(model_to_version.items()))
+
+
+# the queries of one model: (its predictors, the queries' positions in the request, the core queries)
+QueryGroup = tuple[ServedPredictor, list[int], list[CoreQuery]]
+
+
 class PredictorService:
-    """Answers ``PredictRequest``s on ``nc`` with the predictors of the served model's calibration
-    (``settings.model_dir``, ``shared.calibration``); an uncalibrated model gets ``BoundPredictor``.
-    With a ``store`` it reads finished requests back, measures its live error and retrains on them."""
+    """Answers ``PredictRequest``s on ``nc`` with the predictors of each served model's calibration
+    (``settings.served_model_dirs``, ``shared.calibration``); an uncalibrated model gets ``BoundPredictor``.
+    With a ``store`` it reads finished requests back, measures its live error and retrains each model's
+    predictor on that model's requests."""
 
     def __init__(self, settings: PredictorSettings, nc, store: StateStore | None = None,
                  clock: Callable[[], float] = time.time) -> None:
@@ -144,64 +140,76 @@ class PredictorService:
         self.store = store
         self.clock = clock
         self.subjects = Subjects(settings.subject_prefix)
-        self.calibration = of_service(settings)  # refused (naming what differs) when made for other weights
-        if self.calibration is None:
-            logger.warning(uncalibrated_message(settings.model_dir))
+        # model name -> its predictors, window and live error, the first served first (it answers "")
+        self.models = served_predictors(settings)  # a calibration made for other weights: refused, naming it
+        self.first = next(iter(self.models.values()))
+        self.calibration = self.first.calibration
         self.num_requests = 0  # requests answered with predictions
         self.num_errors = 0  # requests answered with an error (malformed ones included)
         self.num_malformed = 0  # payloads that did not decode as a PredictRequest
-        self._loaded: dict[bool, LoadedPredictor] = {}  # one_shot -> predictor
         self._subscription = None
         self.metrics = PredictorMetrics()
+        self.model_metrics = ModelMetrics(self.metrics.registry)
         self._tracer = tracer("dls.predictor")
-        self.window = ServedWindow(settings.retrain_window_rows)  # finished requests' states to retrain on
-        self.live = LiveError(max(settings.live_error_rows, 1))
+        self.live = LiveError(max(settings.live_error_rows, 1))  # every model's rows (each has its own too)
         self.retrain_config = RetrainConfig(settings.retrain_window_rows, settings.retrain_min_rows,
                                             settings.retrain_holdout_share)
-        self.retrain_outcomes: list[RetrainOutcome] = []  # every retrain so far, in order
-        self._num_added_at_retrain = 0  # ``window.num_added`` when the last retrain took its snapshot
+        self.retrain_outcomes: list[RetrainOutcome] = []  # every retrain so far, of any model, in order
         self._events_subscription = None
-        self._retrain_task: asyncio.Task | None = None
+        self._retrain_tasks: dict[str, asyncio.Task] = {}  # model -> its retraining loop
+        self._names_said: set[str] = set()  # names a one-model service answered for all the same (logged once)
 
     def load_models(self) -> None:
-        """Load the predictor the mode needs up front, so a broken model directory fails at start."""
-        self._predictor(one_shot=self.settings.mode == "one-shot")
+        """Load the predictors the mode needs up front, so a broken model directory fails at start."""
+        for served in self.models.values():
+            self._loaded(served, one_shot=self.settings.mode == "one-shot")
 
-    def _predictor(self, one_shot: bool) -> LoadedPredictor:
-        if one_shot not in self._loaded and self.calibration is None:
-            self._loaded[one_shot] = LoadedPredictor(BoundPredictor(), BoundPredictor.version)
-            logger.info("predicting the most steps a request can take (no trained predictor)")
-        if one_shot not in self._loaded:
-            directory = self.calibration.predictor_dir
-            directory = directory / ONE_SHOT_DIR if one_shot else directory
-            self._loaded[one_shot] = load(directory, one_shot)
-            logger.info("loaded the %s predictor from %s (%s)", "one-shot" if one_shot else "online", directory,
-                        self._loaded[one_shot].version)
-        return self._loaded[one_shot]
+    def served_model(self, name: str) -> ServedPredictor:
+        """The predictors of the model a query or a record names ("": the first served). With one model
+        served, it answers whatever is named (as before several models; a name that differs is logged
+        once); with several, a name not served is an ``UnknownModelError`` naming the served ones."""
+        served = self.models.get(name or self.first.name)
+        if served is not None:
+            return served
+        if len(self.models) > 1:
+            raise UnknownModelError(name, list(self.models))
+        if name not in self._names_said:
+            self._names_said.add(name)
+            logger.warning("model %r named, %s served: answered by %s (it alone is served)", name, self.first.name,
+                           self.first.name)
+        return self.first
+
+    def _predictor(self, one_shot: bool, model: str = "") -> LoadedPredictor:
+        return self._loaded(self.served_model(model), one_shot)
+
+    def _loaded(self, served: ServedPredictor, one_shot: bool) -> LoadedPredictor:
+        if one_shot not in served.loaded:
+            self.model_metrics.serving(served.name, one_shot, served.predictor(one_shot).version)
+        return served.predictor(one_shot)
 
     async def start(self) -> None:
         self._subscription = await self.nc.subscribe(
             self.subjects.predict, queue=self.settings.queue_group, cb=self._on_request
         )
-        logger.info("predictor answering on %s (queue group %s, mode %s)", self.subjects.predict,
-                    self.settings.queue_group, self.settings.mode)
+        logger.info("predictor answering on %s (queue group %s, mode %s) for %s", self.subjects.predict,
+                    self.settings.queue_group, self.settings.mode, ", ".join(self.models))
         if self.store is None or not self.settings.reads_served_requests:
             return
         # every replica reads every finished request (no queue group): each keeps its own window and model
         self._events_subscription = await self.nc.subscribe(self.subjects.events_all, cb=self._on_event)
         if self.settings.retrain and self.settings.mode == "online":
-            self._retrain_task = asyncio.create_task(self._retrain_loop())
-            logger.info("retraining on served requests every %g s (from %d rows; window %d rows, %g%% held out)",
-                        self.settings.retrain_interval_s, self.settings.retrain_min_rows,
+            self._retrain_tasks = {name: asyncio.create_task(self._retrain_loop(name)) for name in self.models}
+            logger.info("retraining on served requests every %g s, each model on its own (from %d rows; window "
+                        "%d rows, %g%% held out)", self.settings.retrain_interval_s, self.settings.retrain_min_rows,
                         self.settings.retrain_window_rows, 100 * self.settings.retrain_holdout_share)
         elif self.settings.retrain:
             logger.info("no retraining in one-shot mode (it retrains the online model); the live error is measured")
 
     async def drain(self) -> None:
         """Stop taking requests; those already received are answered first."""
-        if self._retrain_task is not None:
-            self._retrain_task.cancel()
-            self._retrain_task = None
+        for task in self._retrain_tasks.values():
+            task.cancel()
+        self._retrain_tasks = {}
         if self._events_subscription is not None:
             await self._events_subscription.unsubscribe()
             self._events_subscription = None
@@ -236,10 +244,15 @@ class PredictorService:
             return PredictReply(error=str(exc))
         one_shot = request.one_shot or self.settings.mode == "one-shot"
         try:
-            queries = [to_core_query(q) for q in request.queries]
+            groups = self._by_model(request.queries)
+        except UnknownModelError as exc:
+            self.num_errors += 1
+            logger.error("predict request of %d queries refused: %s", len(request.queries), exc)
+            return PredictReply(error=str(exc))
+        try:
             # NOTE: in a thread (the booster call releases the GIL), so the loop keeps its heartbeats to
             # NATS; a subscription's callbacks run one at a time, so one prediction runs at a time.
-            predictions, version = await asyncio.to_thread(self._predict, one_shot, queries, request.thresholds)
+            predictions, versions = await asyncio.to_thread(self._predict, one_shot, groups, request.thresholds)
         except Exception as exc:  # noqa: BLE001 (answer every request; the scheduler keeps its last prediction)
             self.num_errors += 1
             logger.exception("prediction failed for %d queries", len(request.queries))
@@ -247,12 +260,33 @@ class PredictorService:
         self.num_requests += 1
         self.metrics.queries.inc(len(request.queries))
         self.metrics.batch_size.observe(len(request.queries))
-        return PredictReply(predictions=[to_wire_prediction(p) for p in predictions], model_version=version)
+        for served, positions, _ in groups:
+            self.model_metrics.queries.labels(model=served.name).inc(len(positions))
+        return PredictReply(predictions=[to_wire_prediction(p) for p in predictions],
+                            model_version=reply_version(versions), model_versions=versions)
 
-    def _predict(self, one_shot: bool, queries: list[CoreQuery],
-                 thresholds: list[float]) -> tuple[list[CoreStepPrediction], str]:
-        loaded = self._predictor(one_shot)
-        return loaded.predictor.predict(queries, thresholds), loaded.version
+    def _by_model(self, queries: Sequence[PredictionQuery]) -> list[QueryGroup]:
+        """The queries grouped by the model answering them, in order of first appearance (none: the first
+        model's empty group, so that a request of no query is answered as before)."""
+        groups: dict[str, QueryGroup] = {}
+        for i, query in enumerate(queries):
+            served = self.served_model(query.model)
+            group = groups.setdefault(served.name, (served, [], []))
+            group[1].append(i)
+            group[2].append(to_core_query(query))
+        return list(groups.values()) or [(self.first, [], [])]
+
+    def _predict(self, one_shot: bool, groups: list[QueryGroup],
+                 thresholds: list[float]) -> tuple[list[CoreStepPrediction], dict[str, str]]:
+        """Each model's queries by its own predictor, back in query order; and model -> the version that answered."""
+        predictions: list[CoreStepPrediction | None] = [None] * sum(len(positions) for _, positions, _ in groups)
+        versions = {}
+        for served, positions, queries in groups:
+            loaded = self._loaded(served, one_shot)
+            for i, prediction in zip(positions, loaded.predictor.predict(queries, thresholds), strict=True):
+                predictions[i] = prediction
+            versions[served.name] = loaded.version
+        return predictions, versions
 
     # --- served requests: the live error and retraining ----------------------------------------------
 
@@ -267,13 +301,19 @@ class PredictorService:
             await self.served(event.request_id)
 
     async def served(self, request_id: str) -> list[LabelledState]:
-        """Read a finished request back from the state store, score the serving predictor on its states
-        (the live error) and keep them to retrain on; its states ([] where it gives none)."""
+        """Read a finished request back from the state store, score its model's serving predictor on its
+        states (the live error) and keep them to retrain that model's predictor on; its states ([] where it
+        gives none, or where its model is not served here)."""
         try:
             record = await self.store.load(request_id)
             if record is None:
                 raise UnusableSteps(f"request {request_id} is not stored (expired?)")
+            served = self.served_model(record.model)
             states = states_from_steps(record, await self.store.load_steps(request_id))
+        except UnknownModelError as exc:
+            self.metrics.served_requests.labels(outcome="not_served").inc()
+            logger.debug("not learning from %s: %s", request_id, exc)
+            return []
         except UnusableSteps as exc:
             self.metrics.served_requests.labels(outcome="unusable").inc()
             logger.info("not learning from %s: %s", request_id, exc)
@@ -285,56 +325,67 @@ class PredictorService:
         if not states:
             self.metrics.served_requests.labels(outcome="no_rows").inc()
             return []
-        serving = self._predictor(one_shot=self.settings.mode == "one-shot")
+        serving = self._loaded(served, one_shot=self.settings.mode == "one-shot")
         row_errors = await asyncio.to_thread(relative_errors, serving.predictor, states)
         for error in row_errors:
             self.metrics.served_error.observe(float(error))
-        self.live.observe(row_errors)
+        for live in (self.live, served.live):
+            live.observe(row_errors)
         self.metrics.live_error.set(self.live.mre)
+        self.model_metrics.live_error.labels(model=served.name).set(served.live.mre)
         if self.settings.retrain:
-            self.window.add(states)
-            self.metrics.window_rows.set(self.window.num_rows)
+            served.window.add(states)
+            self.metrics.window_rows.set(sum(m.window.num_rows for m in self.models.values()))
+            self.model_metrics.window_rows.labels(model=served.name).set(served.window.num_rows)
         self.metrics.served_requests.labels(outcome="used").inc()
         return states
 
-    async def _retrain_loop(self) -> None:
+    async def _retrain_loop(self, model: str) -> None:
         while True:
             await asyncio.sleep(self.settings.retrain_interval_s)
             try:
-                await self.retrain_once()
+                await self.retrain_once(model)
             except Exception:  # noqa: BLE001 (a failed retrain leaves the serving model; the next one may work)
                 self.metrics.retrains.labels(outcome="failed").inc()
-                logger.exception("retraining failed; the serving predictor stays")
+                self.model_metrics.retrains.labels(model=model, outcome="failed").inc()
+                logger.exception("retraining %s failed; its serving predictor stays", model)
 
-    async def retrain_once(self) -> RetrainOutcome | None:
-        """Train a new online model on the window (in a thread) and swap it in where it is better; None
-        when no retrain is due (too few rows, nothing new)."""
-        reason = not_ready(self.window, self.retrain_config, self._num_added_at_retrain)
+    async def retrain_once(self, model: str = "") -> RetrainOutcome | None:
+        """Train a new online model of ``model`` ("": the first served) on its window (in a thread) and swap
+        it in where it is better; None when no retrain is due (too few rows, nothing new)."""
+        served = self.served_model(model)
+        reason = not_ready(served.window, self.retrain_config, served.num_added_at_retrain)
         if reason is not None:
-            logger.info("no retrain: %s", reason)
+            logger.info("no retrain of %s: %s", served.name, reason)
             return None
-        snapshot, self._num_added_at_retrain = self.window.snapshot(), self.window.num_added
-        serving = self._predictor(one_shot=False)
+        snapshot, served.num_added_at_retrain = served.window.snapshot(), served.window.num_added
+        serving = self._loaded(served, one_shot=False)
         started = time.perf_counter()
         outcome = await asyncio.to_thread(retrain, snapshot, serving.predictor, self.retrain_config,
-                                          {"made_at": self.clock(), "replaces": serving.version})
+                                          {"made_at": self.clock(), "replaces": serving.version,
+                                           "served_model": served.name})
         seconds = time.perf_counter() - started
         version = serving.version
         if outcome.swapped:
             version = trained_version(outcome.model)
-            self._loaded[False] = LoadedPredictor(InProcessPredictor(outcome.model), version)
+            served.loaded[False] = LoadedPredictor(InProcessPredictor(outcome.model), version)
+            self.model_metrics.serving(served.name, False, version)
             if self.settings.live_dir:
-                await asyncio.to_thread(outcome.model.save, self.settings.live_dir)
+                live_dir = Path(self.settings.live_dir)
+                await asyncio.to_thread(outcome.model.save, live_dir if len(self.models) == 1 else live_dir / served.name)
+        served.retrain_outcomes.append(outcome)
         self.retrain_outcomes.append(outcome)
-        self._record_retrain(outcome, seconds)
-        logger.info("retrained on %d requests (%d rows to train, %d held out) in %.1f s: held-out error %.3f "
-                    "(serving %s) vs %.3f (new): %s", outcome.num_requests, outcome.num_train_rows,
+        self._record_retrain(served.name, outcome, seconds)
+        logger.info("retrained %s on %d requests (%d rows to train, %d held out) in %.1f s: held-out error %.3f "
+                    "(serving %s) vs %.3f (new): %s", served.name, outcome.num_requests, outcome.num_train_rows,
                     outcome.num_holdout_rows, seconds, outcome.old_error, serving.version, outcome.new_error,
                     f"swapped, now {version}" if outcome.swapped else "kept the serving model")
         return outcome
 
-    def _record_retrain(self, outcome: RetrainOutcome, seconds: float) -> None:
-        self.metrics.retrains.labels(outcome="swapped" if outcome.swapped else "kept").inc()
+    def _record_retrain(self, model: str, outcome: RetrainOutcome, seconds: float) -> None:
+        kind = "swapped" if outcome.swapped else "kept"
+        self.metrics.retrains.labels(outcome=kind).inc()
+        self.model_metrics.retrains.labels(model=model, outcome=kind).inc()
         self.metrics.retrain_error.labels(model="old").set(outcome.old_error)
         self.metrics.retrain_error.labels(model="new").set(outcome.new_error)
         self.metrics.retrain_rows.labels(split="train").set(outcome.num_train_rows)

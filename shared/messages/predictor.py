@@ -29,6 +29,7 @@ class PredictionQuery(Part, kw_only=True):
     uses_cache: bool = True  # False: every step is a full forward (cache mode none)
     threshold: float | None = None  # the threshold it runs at now
     predicted_end: int | None = None  # canvas position where the engine expects the EOS; None: not known
+    model: str = ""  # the request's model (its name, as requests name it); "": the predictor's first served model
 
 
 class PredictRequest(Message, kw_only=True):
@@ -63,4 +64,5 @@ class PredictReply(Message, kw_only=True):
 
     predictions: list[StepPrediction] = []  # one per query
     error: str | None = None  # set (and predictions empty) when the predictor could not answer
-    model_version: str = ""  # which predictor model answered, for the timeline
+    model_version: str = ""  # which predictor model answered, for the timeline (several: "name=version,...")
+    model_versions: dict[str, str] = {}  # served model -> the version of its predictor that answered its queries

@@ -52,6 +52,7 @@ class PredictionQuery:
     threshold: float | None = None  # the one it runs at now (lets ``+final`` update policies skip it)
     block_index: int = 0  # the block the last step decoded
     predicted_end: int | None = None  # where the engine expects the EOS (``shared.features``); None: not known
+    model: str = ""  # the request's model: whose predictor answers (the service's); "": its first served model
 
     @property
     def progress(self) -> float:

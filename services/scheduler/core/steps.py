@@ -311,6 +311,7 @@ class StepScheduler:
                 block_length=r.block_len, num_committed=r.num_tokens_committed, block_committed=block_committed,
                 block_size=block_size, block_index=block_index, confidence=r.confidence,
                 uses_cache=r.cache_mode != CacheMode.NONE, threshold=r.threshold, predicted_end=r.predicted_end,
+                model=r.model,  # its own model's predictor answers ("": the predictor's first)
             ))
         return queries
 
