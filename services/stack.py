@@ -7,6 +7,11 @@ processes) and the gateway. Logs go to ``<run dir>/logs/<service>.log``. It wait
 is ready, prints the URL and an example ``curl``, and on Ctrl-C (or SIGTERM) stops everything it
 started, in reverse order, children before the servers they talk to.
 
+Several ``--model`` flags serve several models (``DLS_MODEL_DIRS`` for every service; a model's name is
+its directory's basename, which requests name): the node agent's first workers take the models in turn,
+or as ``--workers-per-model`` divides them, and ``dls up`` waits until each model with a worker has a
+READY one. ``--calibration`` is the first model's; the others' are inside their directories.
+
 ``--device cuda`` runs the workers on GPUs (``--gpus``: which, as this process sees them; default
 all): the node agent manages those GPUs (its ``CUDA_VISIBLE_DEVICES``) and pins each worker to its
 slot's. A machine where torch sees no CUDA device (or fewer GPUs than asked for) is refused before
@@ -26,6 +31,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
@@ -38,6 +44,7 @@ from shared.runtime import free_port_range, ports_free
 from shared.settings import redact_urls
 from shared.subjects import DEFAULT_PREFIX
 
+DEFAULT_MODEL_DIR = "models/dls-tiny"
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 SERVICES = ("scheduler", "predictor", "reconfigurator", "node_agent", "gateway")  # start order
@@ -68,9 +75,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--pace-context", type=int, default=None, metavar="TOKENS",
                    help="paced latencies apply at this context; steps scale by their requests' context "
                         "(as the simulator, whose anchor sim.json reports as profile_anchor_context_tokens)")
-    p.add_argument("--model", default="models/dls-tiny", help="model directory")
+    p.add_argument("--model", action="append", default=None, metavar="DIR",
+                   help=f"model directory (default {DEFAULT_MODEL_DIR}); repeat it to serve several models, each "
+                        "named by its directory's basename (what requests name)")
+    p.add_argument("--workers-per-model", default=None, metavar="N,N,...",
+                   help="with several --model: how many of the first workers serve each, in --model order (0: "
+                        "none yet); default: the models in turn (A, B, A, ...); without --workers or --tp, the "
+                        "workers are their sum")
     p.add_argument("--calibration", default=os.environ.get("DLS_CALIBRATION_DIR", ""), metavar="DIR",
-                   help="the model's calibration bundle, as `dls calibrate --out` wrote it (default: "
+                   help="the (first) model's calibration bundle, as `dls calibrate --out` wrote it (default: "
                         "DLS_CALIBRATION_DIR, else <model>/calibration; none: the model is served uncalibrated)")
     p.add_argument("--run-dir", default=None,
                    help="logs and server data go here (default: runs/stack, runs/stack-<port> on another --port)")
@@ -208,9 +221,9 @@ def worker_placement(args) -> Placement:
     if device != "cuda":
         if gpus_flag:
             raise CliError("--gpus: needs --device cuda")
-        return Placement(device, _degrees(args.tp, workers if workers is not None else 2))
+        return Placement(device, _degrees(args.tp, workers if workers is not None else _default_workers(args, 2)))
     gpus = _cuda_gpus(gpus_flag)
-    tps = _degrees(args.tp, workers if workers is not None else len(gpus))
+    tps = _degrees(args.tp, workers if workers is not None else _default_workers(args, len(gpus)))
     from services.node_agent.agent import AgentError, initial_slots
 
     try:
@@ -218,6 +231,57 @@ def worker_placement(args) -> Placement:
     except AgentError as exc:
         raise CliError(f"--tp/--workers on --gpus {','.join(map(str, gpus))}: {exc}") from None
     return Placement(device, tps, gpus)
+
+
+def model_dirs(args) -> list[str]:
+    """The served models' directories, in ``--model`` order; ``CliError`` for two of one name (a model's
+    name is its directory's basename) or a directory DLS_MODEL_DIRS cannot list."""
+    model = getattr(args, "model", None)
+    dirs = [model] if isinstance(model, str) else list(model or [DEFAULT_MODEL_DIR])
+    name_to_dir: dict[str, str] = {}  # model name -> its directory
+    for directory in dirs:
+        name = Path(directory).name
+        if "," in directory:
+            raise CliError(f"--model: {directory} has a comma in it (DLS_MODEL_DIRS is comma-separated): rename it")
+        if name in name_to_dir:
+            raise CliError(f"--model: {name_to_dir[name]} and {directory} are both the model {name!r} (a model's "
+                           "name is its directory's basename): rename one, or give a copy another name")
+        name_to_dir[name] = directory
+    return dirs
+
+
+def _workers_per_model(args) -> list[int] | None:
+    """``--workers-per-model`` as counts, one per model (None: unset); ``CliError`` naming the flag."""
+    text = getattr(args, "workers_per_model", None)
+    if not text:
+        return None
+    counts, num_models = _int_list(text, "--workers-per-model"), len(model_dirs(args))
+    if len(counts) != num_models or any(c < 0 for c in counts) or not sum(counts):
+        raise CliError(f"--workers-per-model: {num_models} counts >= 0 (one per --model, in order; not all 0), "
+                       f"got {text!r}")
+    return counts
+
+
+def _default_workers(args, default: int) -> int:
+    counts = _workers_per_model(args)
+    return sum(counts) if counts is not None else default
+
+
+def worker_models(args, num_workers: int) -> list[str]:
+    """The model (name) of each of the node agent's first ``num_workers`` workers, in order: as
+    ``--workers-per-model`` divides them, else the models in turn; ``CliError`` when they do not add up,
+    or (in turn) a model would get none."""
+    names = [Path(d).name for d in model_dirs(args)]
+    counts = _workers_per_model(args)
+    if counts is None:
+        if num_workers < len(names):
+            raise CliError(f"--workers: {num_workers} worker(s) for {len(names)} models (--model): each model "
+                           "needs one, or say which get none with --workers-per-model")
+        return [names[i % len(names)] for i in range(num_workers)]
+    if sum(counts) != num_workers:
+        raise CliError(f"--workers-per-model {args.workers_per_model} makes {sum(counts)} workers, "
+                       f"--workers/--tp {num_workers}: make them agree (or leave out --workers)")
+    return [name for name, count in zip(names, counts, strict=True) for _ in range(count)]
 
 
 def _degrees(tp: str | None, workers: int) -> list[int]:
@@ -247,30 +311,38 @@ def service_env(args, nats_url: str, redis_url: str, placement: Placement | None
     tps = placement.tps
     if not 1 <= args.schedulers <= 64:
         raise CliError(f"--schedulers: between 1 and 64, got {args.schedulers}")
+    dirs, models = model_dirs(args), worker_models(args, len(tps))
+    model = dirs[0]  # the first: what one --model serves, and whose calibration --calibration is
     profile = args.pace or ""  # "": each service reads the served model's calibration (shared.calibration)
-    env = dict(os.environ)
+    # --model says what is served: no list of models from this shell's environment (DLS_<SERVICE>_MODEL_DIRS)
+    env = {k: v for k, v in os.environ.items() if not (k.startswith("DLS_") and k.endswith("MODEL_DIRS"))
+           and k != "DLS_NODE_AGENT_INITIAL_MODELS"}
+    if len(dirs) > 1:
+        env["DLS_MODEL_DIRS"] = ",".join(dirs)  # every service, the node agent included
+        env["DLS_NODE_AGENT_INITIAL_MODELS"] = json.dumps(models)
     env.update({
-        "DLS_MODEL_DIR": args.model,
+        "DLS_MODEL_DIR": model,
         "DLS_CALIBRATION_DIR": getattr(args, "calibration", ""),
-        "DLS_PREDICTOR_MODEL_DIR": args.model,
-        "DLS_RECONFIGURATOR_MODEL_DIR": args.model,
+        "DLS_PREDICTOR_MODEL_DIR": model,
+        "DLS_RECONFIGURATOR_MODEL_DIR": model,
         "DLS_NATS_URL": nats_url,
         "DLS_REDIS_URL": redis_url,
         "DLS_GATEWAY_HOST": args.host,
         "DLS_GATEWAY_PORT": str(args.port),
-        "DLS_GATEWAY_MODEL_DIR": args.model,
+        "DLS_GATEWAY_MODEL_DIR": model,
         "DLS_GATEWAY_PROFILE": profile,
         "DLS_SCHEDULER_POLICY": args.policy,
         "DLS_SCHEDULER_SHARDS": str(args.schedulers),
         "DLS_SCHEDULER_PROFILE": profile,
-        "DLS_SCHEDULER_MODEL_DIR": args.model,
+        "DLS_SCHEDULER_MODEL_DIR": model,
         "DLS_RECONFIGURATOR_PROFILE": profile,
         "DLS_RECONFIGURATOR_CLUSTER": json.dumps({"nodes": {"local": placement.num_slots}}),
         "DLS_NODE_AGENT_NODE": "local",
         "DLS_NODE_AGENT_GPU_IDS": json.dumps(list(range(placement.num_slots))),
         "DLS_NODE_AGENT_INITIAL_INSTANCES": json.dumps(tps),
         "DLS_NODE_AGENT_LOG_DIR": str(Path(args.run_dir) / "logs"),
-        "DLS_WORKER_MODEL_DIR": args.model,
+        "DLS_NODE_AGENT_MODEL_DIR": model,
+        "DLS_WORKER_MODEL_DIR": model,
         "DLS_WORKER_PROFILE": "",  # its calibration's for its device, else the step times it measures
         "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1"),  # many small processes: one thread each
     })
@@ -324,7 +396,8 @@ def metrics_env(env: dict[str, str], service: str) -> dict[str, str]:
     return {**env, "DLS_METRICS_PORT": str(port)}
 
 
-def wait_ready(url: str, stack: Stack, timeout_s: float) -> None:
+def wait_ready(url: str, stack: Stack, timeout_s: float, models: Iterable[str] = ()) -> None:
+    """Wait until the gateway serves (a READY worker is up) and each of ``models`` has a READY worker."""
     deadline = time.monotonic() + timeout_s
     last = "no answer"
     while time.monotonic() < deadline:
@@ -332,9 +405,12 @@ def wait_ready(url: str, stack: Stack, timeout_s: float) -> None:
         try:
             with urllib.request.urlopen(f"{url}/readyz", timeout=2) as reply:
                 body = json.loads(reply.read())
-                if reply.status == 200 and body["serving"]:  # the gateway can serve, and a worker is up
+                ready = {w["model"] for w in body.get("workers", []) if w["status"] == "READY"}
+                waiting = sorted(set(models) - ready)
+                if reply.status == 200 and body["serving"] and not waiting:  # the gateway can serve, workers are up
                     return
-                last = body["detail"].get("worker", "no READY worker yet")
+                last = (f"no READY worker of {', '.join(waiting)} yet" if body["serving"]
+                        else body["detail"].get("worker", "no READY worker yet"))
         except urllib.error.HTTPError as exc:
             last = exc.read().decode(errors="replace")[:200]
         except OSError as exc:
@@ -344,10 +420,14 @@ def wait_ready(url: str, stack: Stack, timeout_s: float) -> None:
                    f"logs in {stack.run_dir / 'logs'}")
 
 
-def describe_calibration(args, placement: Placement) -> str:
-    """What ``dls up`` says of the served model's calibration (and of its profile where it was measured on
+def describe_calibration(args, placement: Placement, model: str | None = None,
+                         calibration_dir: str | None = None) -> str:
+    """What ``dls up`` says of a served model's calibration (and of its profile where it was measured on
     another kind of device); ``CliError`` naming what differs when it was made for other weights
-    (``shared.calibration``), before anything starts."""
+    (``shared.calibration``), before anything starts. ``model``: the directory (default: the first
+    ``--model``), ``calibration_dir``: its bundle (default: ``--calibration``)."""
+    model = model or model_dirs(args)[0]
+    calibration_dir = getattr(args, "calibration", "") if calibration_dir is None else calibration_dir
     device = placement.device if placement.gpus is None else f"cuda:{placement.gpus[0]}"
     gpu_name = None
     if placement.gpus is not None:
@@ -355,14 +435,36 @@ def describe_calibration(args, placement: Placement) -> str:
 
         gpu_name = device_name(device)
     try:
-        calibration = find(args.model, getattr(args, "calibration", "") or None)
+        calibration = find(model, calibration_dir or None)
     except CalibrationError as exc:
-        raise CliError(f"--model {args.model}: {exc}") from None
+        raise CliError(f"--model {model}: {exc}") from None
     if calibration is None:
-        return f"{UNCALIBRATED}. {uncalibrated_message(args.model)}"
+        return f"{UNCALIBRATED}. {uncalibrated_message(model)}"
     refusal = calibration.profile_refusal(device, gpu_name) if not getattr(args, "pace", None) else None
     return f"calibration: {calibration.label}" + (f"\n  {refusal}; the workers measure their step times" if refusal
                                                    else "")
+
+
+def describe_calibrations(args, placement: Placement) -> dict[str, str]:
+    """Model name -> what ``dls up`` says of its calibration (``--calibration`` is the first model's; the
+    others' are inside their directories), in ``--model`` order."""
+    return {Path(d).name: describe_calibration(args, placement, d, None if i == 0 else "")
+            for i, d in enumerate(model_dirs(args))}
+
+
+def _serving_lines(url: str, calibration_lines: dict[str, str], models: list[str]) -> str:
+    """What ``dls up`` prints once it serves: the model(s) and the URL, an example ``curl``."""
+    states = {name: " (UNCALIBRATED: see above)" if line.startswith(UNCALIBRATED) else ""
+              for name, line in calibration_lines.items()}
+    first = next(iter(states))
+    served = ", ".join(f"{name}{state}" for name, state in states.items())
+    division = ""
+    if len(states) > 1:
+        division = "  workers per model: " + ", ".join(f"{name} {models.count(name)}" for name in states) + "\n"
+    return (f"\nDiLaServe is serving {served} at {url}\n{division}\n"
+            f"  curl {url}/v1/completions -H 'Content-Type: application/json' \\\n"
+            f"       -d '{{\"model\": \"{first}\", \"prompt\": \"347+589=\", \"max_tokens\": 16}}'\n\n"
+            "Ctrl-C stops everything.")
 
 
 def _auth_line(env: dict[str, str]) -> str:
@@ -386,10 +488,12 @@ def _up(args) -> int:
     nats_urls = os.environ.get("DLS_NATS_URL", DEFAULT_NATS_URL)
     nats_url = nats_urls.split(",")[0]  # the server it checks (and starts when nothing answers)
     redis_url = os.environ.get("DLS_REDIS_URL", DEFAULT_REDIS_URL)
-    if not Path(args.model, "config.json").exists():
-        raise CliError(f"--model: {args.model} has no config.json")
+    for directory in model_dirs(args):  # two models of one name fail here
+        if not Path(directory, "config.json").exists():
+            raise CliError(f"--model: {directory} has no config.json")
     placement = worker_placement(args)  # a device that is not there fails here, before anything starts
-    calibration_line = describe_calibration(args, placement)  # and a calibration made for another model
+    models = worker_models(args, len(placement.tps))  # and workers the models cannot share
+    calibration_lines = describe_calibrations(args, placement)  # and a calibration made for another model
     stack = Stack(Path(args.run_dir))
     stopping = False
 
@@ -418,7 +522,8 @@ def _up(args) -> int:
         for line in keep_apart(env, shared_servers, args.port, placement.num_slots):
             print(line, flush=True)
         print(_auth_line(env), flush=True)
-        print(calibration_line, flush=True)
+        for name, line in calibration_lines.items():
+            print(line if len(calibration_lines) == 1 else f"{name}: {line}", flush=True)
         if placement.gpus is not None:
             print(f"workers on CUDA: GPUs {placement.gpus}, TP degrees {placement.tps} (each pinned to its "
                   f"slot's GPUs; each worker announces its profile: {env['DLS_SCHEDULER_PROFILE'] or 'the calibration'}'s, "
@@ -435,13 +540,8 @@ def _up(args) -> int:
             stack.spawn(service, [sys.executable, "-m", f"services.{service}"], metrics_env(env, service))
         url = f"http://{args.host}:{args.port}"
         print(f"waiting for the gateway at {url} (logs in {stack.run_dir / 'logs'}) ...", flush=True)
-        wait_ready(url, stack, args.ready_timeout)
-        model = Path(args.model).name
-        state = " (UNCALIBRATED: see above)" if calibration_line.startswith(UNCALIBRATED) else ""
-        print(f"\nDiLaServe is serving {model}{state} at {url}\n\n"
-              f"  curl {url}/v1/completions -H 'Content-Type: application/json' \\\n"
-              f"       -d '{{\"model\": \"{model}\", \"prompt\": \"347+589=\", \"max_tokens\": 16}}'\n\n"
-              "Ctrl-C stops everything.", flush=True)
+        wait_ready(url, stack, args.ready_timeout, set(models))
+        print(_serving_lines(url, calibration_lines, models), flush=True)
         while True:
             stack.check_alive()
             time.sleep(1.0)
