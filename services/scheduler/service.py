@@ -55,8 +55,8 @@ from services.scheduler.core import (
 )
 from services.scheduler.core.decisions import RejectReason
 from services.scheduler.core.quality_watch import QualityWatch, promised_agreement
-from services.scheduler.core.threshold import candidates_from_quality, canvas_floors
-from shared.calibration import of_service, uncalibrated_message
+from services.scheduler.core.threshold import ModelFloors, candidates_from_quality, canvas_floors
+from shared.calibration import find, uncalibrated_message
 from shared.jetstream import JETSTREAM_TRANSIENT_ERRORS, IntakeConsumer, IntakeDelivery, ensure_intake_stream
 from shared.leases import LeaseTable, Observed, step_stuck
 from shared.messages import codec
@@ -124,12 +124,30 @@ class ServedQuality:
 
 
 def served_quality(settings: SchedulerSettings) -> ServedQuality:
-    """The quality curves of the calibration of ``settings.model_dir`` (``shared.calibration``: a bundle
-    made for other weights is refused, naming what differs)."""
-    calibration = of_service(settings)
+    """The quality curves of the first served model's calibration (``served_qualities``)."""
+    return next(iter(served_qualities(settings).values()))
+
+
+def served_qualities(settings: SchedulerSettings) -> dict[str, ServedQuality]:
+    """Each served model's quality curves (``settings.served_model_dirs``; model name -> its curves, the
+    first served first): its own calibration's (``shared.calibration``: a bundle made for other weights is
+    refused, naming what differs; ``DLS_CALIBRATION_DIR`` is the first model's, as the gateway reads it)."""
+    qualities: dict[str, ServedQuality] = {}
+    for i, model_dir in enumerate(settings.served_model_dirs):
+        name = Path(model_dir).name
+        if name in qualities:
+            raise ValueError(f"DLS_SCHEDULER_MODEL_DIRS: two directories serve the model name {name!r} (a model's "
+                             "name is its directory's basename)")
+        qualities[name] = quality_of(model_dir, (settings.calibration_dir or None) if i == 0 else None)
+    return qualities
+
+
+def quality_of(model_dir: str, calibration_dir: str | None) -> ServedQuality:
+    """The quality curves of one model's calibration (None: uncalibrated, said)."""
+    calibration = find(model_dir, calibration_dir)
     if calibration is None:
-        logger.warning(uncalibrated_message(settings.model_dir))
-        return ServedQuality(None, f"{settings.model_dir} (uncalibrated)")
+        logger.warning(uncalibrated_message(model_dir))
+        return ServedQuality(None, f"{model_dir} (uncalibrated)")
     path = calibration.quality_path
     try:
         return ServedQuality(json.loads(path.read_text()), str(path), str(calibration.profile_path))
@@ -137,7 +155,11 @@ def served_quality(settings: SchedulerSettings) -> ServedQuality:
         raise ValueError(f"DLS_SCHEDULER_QUALITY_BUDGET_PP: cannot read the accuracy curve {path}: {exc}") from None
 
 
-def load_policy(settings: SchedulerSettings, quality: ServedQuality | None = None):
+def load_policy(settings: SchedulerSettings, quality: ServedQuality | None = None, *,
+                qualities: dict[str, ServedQuality] | None = None):
+    """The policy the settings name, its candidate thresholds from the served models' quality curves:
+    ``qualities`` (model -> its curves, the first served first; None: read from the served models'
+    calibrations), or one model's ``quality`` alone."""
     config = {}
     if settings.policy_config:
         path = Path(settings.policy_config)
@@ -145,14 +167,42 @@ def load_policy(settings: SchedulerSettings, quality: ServedQuality | None = Non
             config = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as exc:
             raise ValueError(f"DLS_SCHEDULER_POLICY_CONFIG: cannot read {path}: {exc}") from None
-    config_cls = type(make_config(settings.policy))
-    if "thresholds" in config_cls.model_fields and "thresholds" not in config:
-        quality = quality if quality is not None else served_quality(settings)
-        config["thresholds"] = candidate_thresholds(settings, quality)
-        # each request bounded by its canvas too (a policy config's own thresholds stand as given)
-        if "canvas_floors" in config_cls.model_fields and "canvas_floors" not in config:
-            config["canvas_floors"] = tuple(sorted(canvas_floors_of(settings, quality, config["thresholds"]).items()))
+    fields = type(make_config(settings.policy)).model_fields
+    if "thresholds" in fields and "thresholds" not in config:
+        if qualities is None:
+            qualities = {"": quality} if quality is not None else served_qualities(settings)
+        if len(qualities) == 1:
+            quality = next(iter(qualities.values()))
+            config["thresholds"] = candidate_thresholds(settings, quality)
+            # each request bounded by its canvas too (a policy config's own thresholds stand as given)
+            if "canvas_floors" in fields and "canvas_floors" not in config:
+                config["canvas_floors"] = tuple(sorted(canvas_floors_of(settings, quality,
+                                                                        config["thresholds"]).items()))
+        else:
+            config.update(models_thresholds(settings, qualities, fields, config))
     return make_policy(settings.policy, config)
+
+
+def models_thresholds(settings: SchedulerSettings, qualities: dict[str, ServedQuality], fields,
+                      config: dict) -> dict:
+    """Several models: the candidate thresholds are the union of each model's (``candidate_thresholds`` on
+    its own curves), and each model's requests are held to its own lowest candidate and canvas floors
+    (``model_floors``): an uncalibrated model's at the highest threshold alone. A request that names no
+    model has the first served model's floors (the predictor's rule for "" too)."""
+    floors, union = {}, set()
+    for name, quality in qualities.items():
+        candidates = candidate_thresholds(settings, quality)
+        union |= set(candidates)
+        floors[name] = ModelFloors(min(candidates), tuple(sorted(canvas_floors_of(settings, quality,
+                                                                                  candidates).items())))
+        logger.info("model %s: its requests run at %s and up", name, floors[name].lowest)
+    first = next(iter(floors.values()))
+    out = {"thresholds": tuple(sorted(union))}
+    if "canvas_floors" in fields and "canvas_floors" not in config:
+        out["canvas_floors"] = first.canvas_floors
+    if "model_floors" in fields and "model_floors" not in config:
+        out["model_floors"] = {"": first, **floors}
+    return out
 
 
 def canvas_floors_of(settings: SchedulerSettings, quality: ServedQuality, thresholds) -> dict[int, float]:
@@ -214,10 +264,13 @@ class SchedulerService:
         self.subjects = Subjects(settings.subject_prefix)
         # step ids start at the clock in microseconds, so a restarted scheduler never reuses an id
         # that a worker may still answer for its predecessor
-        quality = served_quality(settings) if policy is None else None
+        # each served model's quality curves (model -> its curves, the first served first)
+        qualities = served_qualities(settings) if policy is None else None
+        quality = next(iter(qualities.values())) if qualities is not None else None
         # instances whose heartbeat names no profile (nor step times they measured) are planned with this
         self.fallback_profile = settings.profile or (quality.profile if quality is not None else "")
-        self.core = StepScheduler(SchedulingLoop(policy if policy is not None else load_policy(settings, quality)),
+        self.core = StepScheduler(SchedulingLoop(policy if policy is not None
+                                                 else load_policy(settings, qualities=qualities)),
                                   StepConfig(settings.overlap_min_tokens, settings.pipeline_steps,
                                              settings.held_repeats),
                                   first_step_id=int(clock() * 1_000_000))
@@ -239,7 +292,7 @@ class SchedulerService:
         self._window = {"finished": 0, "slo_met": 0, "rejected": 0, "threshold_sum": 0.0, "steps": 0}
         self._counters = {"malformed": 0, "timed_out_steps": 0}
         self.metrics = SchedulerMetrics()
-        self.model_name = Path(settings.model_dir).name  # the served model (the gateway's name for it)
+        self.model_name = Path(settings.served_model_dirs[0]).name  # the first served model (the gateway's name)
         self._metrics_server = None
         self._tracer = tracer("dls.scheduler")
         self._pending_results: list[StepResults] = []  # received, not handled yet (coalesced)
@@ -251,8 +304,10 @@ class SchedulerService:
         self._threshold_samples: list[float] = []  # step thresholds not yet in the histogram
         self._predictor_down_until = 0.0  # no predict calls before this (the last one got no reply)
         self.predictor_version = ""  # the predictor model of the last reply (it changes when a retrain swaps)
-        # shadow decoding (core.quality_watch): None without a measured curve or a lower candidate
+        # shadow decoding (core.quality_watch): None without a measured curve or a lower candidate. With
+        # several models it watches the first served model's requests alone, against that model's curve
         self.quality_watch = quality_watch(settings, quality, self.loop.policy) if quality is not None else None
+        self._watched_model = self.model_name if len(settings.served_model_dirs) > 1 else None  # None: every request
         # shadow id -> (the lowest threshold it was served at, its answer; None: not to judge)
         self._shadows: dict[str, tuple[float, list[int] | None]] = {}
         self._rng = random.Random(settings.shard)
@@ -752,7 +807,8 @@ class SchedulerService:
                 window["slo_met"] += now <= telemetry.deadline
                 self._observe_finish(r.request_id, telemetry, r.num_steps, now, r.num_answer_tokens)
                 watch = self.quality_watch
-                if (watch is not None and len(self._shadows) < self.settings.shadow_max_in_flight
+                if (watch is not None and self._watched_model in (None, telemetry.model)
+                        and len(self._shadows) < self.settings.shadow_max_in_flight
                         and watch.wants(telemetry.lowest_threshold, self._rng.random(), self._shadow_steps,
                                     self._request_steps, self._shadow_reserve(r.num_steps))):
                     self._spawn(self._start_shadow(r.request_id, telemetry.lowest_threshold))
@@ -807,12 +863,12 @@ class SchedulerService:
         self.metrics.shadow_agreement.labels(threshold=str(key)).set(watch.agreement(key))
         floor = watch.floor()
         grid = self.loop.policy.grid
-        if floor > grid.quality_floor:
+        if floor > grid.lowest_of(self._watched_model):
             logger.warning("shadow decoding: answers served at %s agreed with the highest threshold's %.1f%% of %d "
                            "times, below the %.1f%% the quality curve promised: candidates below %s withdrawn",
                            key, 100 * watch.agreement(key), watch.counts[key][1], 100 * watch.promised.get(key, 1.0),
                            floor)
-            grid.quality_floor = floor
+            grid.withdraw_below(floor, self._watched_model)
             self.metrics.quality_floor.set(floor)
 
     def _observe_thresholds(self) -> None:

@@ -32,6 +32,7 @@ from services.scheduler.core.request import CacheMode, Request, RequestStatus
 from services.scheduler.core.threshold import (
     DEFAULT_FALLBACK_TOKENS_PER_STEP,
     DEFAULT_THRESHOLDS,
+    ModelFloors,
     PredictionMode,
     StepEstimator,
     ThresholdController,
@@ -50,6 +51,9 @@ class DiLaServeConfig(BaseModel):
     thresholds: tuple[float, ...] = DEFAULT_THRESHOLDS  # candidate thresholds (admin set)
     # (canvas length, lowest threshold a request on that canvas may run at): threshold.canvas_floors
     canvas_floors: tuple[tuple[int, float], ...] = ()
+    # several models: model -> its floors on `thresholds` (the union of their candidates), from its own
+    # quality curve (threshold.model_floors); a request of a model not named has `canvas_floors` alone
+    model_floors: dict[str, ModelFloors] = Field(default_factory=dict)
     # threshold -> tokens per step assumed before a request has a prediction
     fallback_tokens_per_step: dict[float, float] = Field(default_factory=lambda: dict(DEFAULT_FALLBACK_TOKENS_PER_STEP))
     prediction: PredictionMode = PredictionMode.ONLINE
@@ -124,7 +128,8 @@ class DiLaServePolicy:
         # a fixed threshold is always a candidate, so `fixed` runs exactly at it
         extra = () if config.threshold_control else (config.fixed_threshold,)
         self.grid = ThresholdGrid(tuple(config.thresholds) + extra,
-                                  dict(config.canvas_floors) if config.threshold_control else None)
+                                  dict(config.canvas_floors) if config.threshold_control else None,
+                                  config.model_floors if config.threshold_control else None)
         self.estimator = StepEstimator(self.grid, config.fallback_tokens_per_step, config.prediction)
         self.table = LoadTable(len(self.grid))
         self.load_controller = LoadController()

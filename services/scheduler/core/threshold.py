@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 
 import numpy as np
@@ -17,16 +17,34 @@ DEFAULT_THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
 DEFAULT_FALLBACK_TOKENS_PER_STEP = {0.5: 6.0, 0.6: 5.0, 0.7: 4.2, 0.8: 3.6, 0.9: 3.2, 0.95: 2.6}
 
 
+@dataclass(frozen=True)
+class ModelFloors:
+    """One served model's share of the candidate grid (several models, each with its own quality
+    curve): the lowest threshold its requests may run at (the lowest of its own candidates within the
+    quality budget: ``model_floors``), and the floor per canvas on its curves (``canvas_floors``)."""
+
+    lowest: float  # no request of the model runs below it (an uncalibrated model: the highest candidate)
+    canvas_floors: tuple[tuple[int, float], ...] = ()  # (canvas length, its floor), as ``canvas_floors`` gives
+
+
 class ThresholdGrid:
     """The admin's candidate thresholds, ascending; requests use index ranges into it.
 
     ``canvas_floors`` maps a canvas length to the lowest threshold the quality budget allows on it
     (the function ``canvas_floors``): a request's range starts no lower than its canvas's floor, so
     a request on a canvas where the model is weaker keeps the budget there too. ``quality_floor``
-    is the lowest threshold shadow decoding still allows (``core.quality_watch``; 0.0: any)."""
+    is the lowest threshold shadow decoding still allows (``core.quality_watch``; 0.0: any).
 
-    def __init__(self, thresholds: Sequence[float], canvas_floors: Mapping[int, float] | None = None) -> None:
+    Several models: the grid is the union of their candidates, and ``model_floors`` (model -> its
+    ``ModelFloors``) bounds each model's requests by its own curve in place of ``canvas_floors``; a
+    request of a model not named there has ``canvas_floors`` alone, as with one model."""
+
+    def __init__(self, thresholds: Sequence[float], canvas_floors: Mapping[int, float] | None = None,
+                 model_floors: Mapping[str, ModelFloors] | None = None) -> None:
         self.canvas_floors = {int(c): float(f) for c, f in (canvas_floors or {}).items()}
+        self.model_floors = dict(model_floors or {})  # model -> its floors (several models)
+        # model -> its canvas floors as a map (canvas length -> floor)
+        self._model_canvas_floors = {m: dict(f.canvas_floors) for m, f in self.model_floors.items()}
         self.quality_floor = 0.0
         values = sorted(set(float(t) for t in thresholds))
         if not values or values[0] <= 0 or values[-1] > 1:
@@ -49,8 +67,28 @@ class ThresholdGrid:
         """(lowest, highest) allowed index for a request; lowest > highest when none is allowed. The
         floor is the request's own or its canvas's, whichever is higher (a canvas floor never above
         the highest candidate: it narrows a range, it cannot empty one)."""
-        floor = min(max(canvas_floor(self.canvas_floors, request.gen_len), self.quality_floor), self.values[-1])
+        own = self.model_floors.get(request.model)
+        if own is None:
+            lowest = canvas_floor(self.canvas_floors, request.gen_len)
+        else:
+            lowest = max(own.lowest, canvas_floor(self._model_canvas_floors[request.model], request.gen_len))
+        floor = min(max(lowest, self.quality_floor), self.values[-1])
         return self.floor_index(max(request.min_threshold, floor)), self.ceil_index(request.max_threshold)
+
+    def lowest_of(self, model: str | None = None) -> float:
+        """The lowest threshold a request (of ``model``, where it has floors of its own) may run at now,
+        whatever its canvas: the quality floor, or the model's own lowest where higher."""
+        own = self.model_floors.get(model) if model is not None else None
+        return self.quality_floor if own is None else max(self.quality_floor, own.lowest)
+
+    def withdraw_below(self, floor: float, model: str | None = None) -> None:
+        """No request (of ``model`` alone, where it has floors of its own) runs below ``floor`` any more:
+        shadow decoding found the candidates below it losing more than their curve promised."""
+        own = self.model_floors.get(model) if model is not None else None
+        if own is None:
+            self.quality_floor = max(self.quality_floor, floor)
+        else:
+            self.model_floors[model] = replace(own, lowest=max(own.lowest, floor))
 
     def nearest_index(self, threshold: float, lo: int, hi: int) -> int:
         """The candidate closest to ``threshold`` inside [lo, hi] (ties: the higher one)."""
@@ -153,6 +191,21 @@ def canvas_floors(thresholds: Sequence[float], data: Mapping, budget_pp: float) 
             if kept:
                 floors[int(canvas)] = min(kept)
     return floors
+
+
+def model_floors(thresholds: Sequence[float], data: Mapping | None, budget_pp: float,
+                 keys: Sequence[str] = ()) -> ModelFloors:
+    """One model's floors on the admin's ``thresholds`` from its ``quality.json`` (``data``; None:
+    uncalibrated, held at the highest threshold): its lowest candidate within ``budget_pp`` points
+    (``candidates_from_quality`` on the curves ``keys`` names) and its floor per canvas
+    (``canvas_floors`` over those candidates). A negative budget floors nothing, as it keeps every
+    threshold for one model."""
+    if budget_pp < 0:
+        return ModelFloors(min(thresholds))
+    if data is None:
+        return ModelFloors(max(thresholds))
+    kept = candidates_from_quality(thresholds, data, budget_pp, keys)
+    return ModelFloors(min(kept), tuple(sorted(canvas_floors(kept, data, budget_pp).items())))
 
 
 def canvas_floor(floors: Mapping[int, float], gen_len: int) -> float:
