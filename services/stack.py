@@ -452,16 +452,18 @@ def describe_calibrations(args, placement: Placement) -> dict[str, str]:
             for i, d in enumerate(model_dirs(args))}
 
 
-def _serving_lines(url: str, calibration_lines: dict[str, str], models: list[str]) -> str:
+def _division_line(names: Iterable[str], models: list[str]) -> str:
+    """How the first workers are divided between the models (``models``: each worker's)."""
+    return "workers per model: " + ", ".join(f"{name} {models.count(name)}" for name in names)
+
+
+def _serving_lines(url: str, calibration_lines: dict[str, str]) -> str:
     """What ``dls up`` prints once it serves: the model(s) and the URL, an example ``curl``."""
     states = {name: " (UNCALIBRATED: see above)" if line.startswith(UNCALIBRATED) else ""
               for name, line in calibration_lines.items()}
     first = next(iter(states))
     served = ", ".join(f"{name}{state}" for name, state in states.items())
-    division = ""
-    if len(states) > 1:
-        division = "  workers per model: " + ", ".join(f"{name} {models.count(name)}" for name in states) + "\n"
-    return (f"\nDiLaServe is serving {served} at {url}\n{division}\n"
+    return (f"\nDiLaServe is serving {served} at {url}\n\n"
             f"  curl {url}/v1/completions -H 'Content-Type: application/json' \\\n"
             f"       -d '{{\"model\": \"{first}\", \"prompt\": \"347+589=\", \"max_tokens\": 16}}'\n\n"
             "Ctrl-C stops everything.")
@@ -524,6 +526,8 @@ def _up(args) -> int:
         print(_auth_line(env), flush=True)
         for name, line in calibration_lines.items():
             print(line if len(calibration_lines) == 1 else f"{name}: {line}", flush=True)
+        if len(calibration_lines) > 1:
+            print(_division_line(calibration_lines, models), flush=True)
         if placement.gpus is not None:
             print(f"workers on CUDA: GPUs {placement.gpus}, TP degrees {placement.tps} (each pinned to its "
                   f"slot's GPUs; each worker announces its profile: {env['DLS_SCHEDULER_PROFILE'] or 'the calibration'}'s, "
@@ -541,7 +545,7 @@ def _up(args) -> int:
         url = f"http://{args.host}:{args.port}"
         print(f"waiting for the gateway at {url} (logs in {stack.run_dir / 'logs'}) ...", flush=True)
         wait_ready(url, stack, args.ready_timeout, set(models))
-        print(_serving_lines(url, calibration_lines, models), flush=True)
+        print(_serving_lines(url, calibration_lines), flush=True)
         while True:
             stack.check_alive()
             time.sleep(1.0)

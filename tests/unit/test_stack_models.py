@@ -12,6 +12,7 @@ import pytest
 
 from services.stack import (
     Placement,
+    _division_line,
     _serving_lines,
     describe_calibrations,
     model_dirs,
@@ -98,8 +99,9 @@ def test_each_models_calibration_is_said_and_the_serving_line_names_every_model(
     assert list(lines) == ["dls-tiny", "other"]
     assert lines["dls-tiny"].startswith("calibration: ") and "NONE" not in lines["dls-tiny"]
     assert lines["other"].startswith("calibration: NONE") and str(other) in lines["other"]
-    said = _serving_lines("http://h:1", lines, ["dls-tiny", "other", "dls-tiny"])
+    said = _serving_lines("http://h:1", lines)
     assert "DiLaServe is serving dls-tiny, other (UNCALIBRATED: see above) at http://h:1\n" in said
-    assert "workers per model: dls-tiny 2, other 1" in said and '"model": "dls-tiny"' in said
-    one = _serving_lines("http://h:1", {"dls-tiny": lines["dls-tiny"]}, ["dls-tiny"])
+    assert '"model": "dls-tiny"' in said
+    assert _division_line(lines, ["dls-tiny", "other", "dls-tiny"]) == "workers per model: dls-tiny 2, other 1"
+    one = _serving_lines("http://h:1", {"dls-tiny": lines["dls-tiny"]})
     assert one.startswith("\nDiLaServe is serving dls-tiny at http://h:1\n\n  curl http://h:1/v1/completions")
