@@ -303,7 +303,9 @@ class SchedulerService:
         self._owed: PendingResults | None = None  # results handled whose pass is queued in _deferred, merged
         self._threshold_samples: list[float] = []  # step thresholds not yet in the histogram
         self._predictor_down_until = 0.0  # no predict calls before this (the last one got no reply)
-        self.predictor_version = ""  # the predictor model of the last reply (it changes when a retrain swaps)
+        # the predictor model answering (it changes when a retrain swaps; several models: "name=version,...")
+        self.predictor_version = ""
+        self.predictor_versions: dict[str, str] = {}  # model -> the version of its predictor that answered last
         # shadow decoding (core.quality_watch): None without a measured curve or a lower candidate. With
         # several models it watches the first served model's requests alone, against that model's curve
         self.quality_watch = quality_watch(settings, quality, self.loop.policy) if quality is not None else None
@@ -939,13 +941,23 @@ class SchedulerService:
         if reply.error:
             logger.warning("predictor error: %s", reply.error)
             return None
-        if reply.model_version != self.predictor_version:
-            logger.info("predictions now from predictor model %s (before: %s)", reply.model_version,
-                        self.predictor_version or "none")
-            self.predictor_version = reply.model_version
+        self._note_predictor_versions(reply)
         return {p.request_id: Prediction({float(t): (s.recompute_steps, s.cache_steps)
                                           for t, s in p.threshold_to_steps.items()}, p.made_at_step)
                 for p in reply.predictions}
+
+    def _note_predictor_versions(self, reply: PredictReply) -> None:
+        """Log each served model's predictor version when it changes (a retrain swapped one in)."""
+        model_to_version = reply.model_versions or {"": reply.model_version}  # an older predictor: one version
+        for model, version in model_to_version.items():
+            before = self.predictor_versions.get(model, "")
+            if version != before:
+                logger.info("predictions%s now from predictor model %s (before: %s)", f" of {model}" if model else "",
+                            version, before or "none")
+                self.predictor_versions[model] = version
+        versions = self.predictor_versions
+        self.predictor_version = (next(iter(versions.values())) if len(versions) == 1
+                                  else ",".join(f"{m}={v}" for m, v in sorted(versions.items())))
 
     # --- cancellations, failures, events -----------------------------------------------------------
 

@@ -193,21 +193,6 @@ def canvas_floors(thresholds: Sequence[float], data: Mapping, budget_pp: float) 
     return floors
 
 
-def model_floors(thresholds: Sequence[float], data: Mapping | None, budget_pp: float,
-                 keys: Sequence[str] = ()) -> ModelFloors:
-    """One model's floors on the admin's ``thresholds`` from its ``quality.json`` (``data``; None:
-    uncalibrated, held at the highest threshold): its lowest candidate within ``budget_pp`` points
-    (``candidates_from_quality`` on the curves ``keys`` names) and its floor per canvas
-    (``canvas_floors`` over those candidates). A negative budget floors nothing, as it keeps every
-    threshold for one model."""
-    if budget_pp < 0:
-        return ModelFloors(min(thresholds))
-    if data is None:
-        return ModelFloors(max(thresholds))
-    kept = candidates_from_quality(thresholds, data, budget_pp, keys)
-    return ModelFloors(min(kept), tuple(sorted(canvas_floors(kept, data, budget_pp).items())))
-
-
 def canvas_floor(floors: Mapping[int, float], gen_len: int) -> float:
     """The floor for a canvas of ``gen_len``: that of the longest measured canvas not above it (the
     nearest tighter one, where the model is no better), else of the shortest measured; 0 if none."""
