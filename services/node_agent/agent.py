@@ -475,6 +475,8 @@ class NodeAgent:
             worker.ready.set()
             worker.num_crashes = 0
             logger.info("%s is READY", worker.describe())
+            if beat.model != (worker.model or self.default_model):  # a command that ignores DLS_WORKER_MODEL_DIR
+                logger.warning("%s says it serves %r, not the model it was started for", worker.describe(), beat.model)
 
     async def _on_plan(self, msg) -> None:
         try:

@@ -446,3 +446,4 @@ def test_each_worker_serves_its_slots_model_across_plans_and_restarts(nats_serve
     run_agent(agent, log, main)
     text = log.read_text()
     assert "(beta, TP-1 on GPUs [2])" in text and "(alpha, TP-1 on GPUs [0])" in text  # its log names each model
+    assert "not the model it was started for" not in text  # each heartbeat named the model its worker was given
