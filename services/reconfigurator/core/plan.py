@@ -71,6 +71,10 @@ class CapacityPlan:
     def avg_threshold(self) -> float | None:
         return self.objective.avg_threshold if self.objective else None
 
+    def shape(self) -> dict:
+        """What the trigger compares: tp degree -> instances, degrees with none left out."""
+        return {tp: n for tp, n in self.instances_by_tp.items() if n}
+
     def to_dict(self) -> dict:
         return {
             "instances_by_tp": {str(tp): n for tp, n in sorted(self.instances_by_tp.items())},
@@ -108,6 +112,10 @@ class DivisionPlan:
     def instances_by_model_tp(self) -> dict[str, dict[int, int]]:
         # model -> tp degree -> instances
         return {name: dict(p.instances_by_tp) for name, p in self.plans_by_model.items()}
+
+    def shape(self) -> dict:
+        """What the trigger compares: (model, tp degree) -> instances, pairs with none left out."""
+        return {(name, tp): n for name, by_tp in self.instances_by_model_tp.items() for tp, n in by_tp.items() if n}
 
     @property
     def gpus_by_model(self) -> dict[str, int]:

@@ -15,7 +15,9 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .plan import CapacityPlan
+from .plan import CapacityPlan, DivisionPlan
+
+Plan = CapacityPlan | DivisionPlan  # one model's Stage 1, or the division between several
 
 _TIE_TOLERANCE = 1e-6  # average thresholds this close count as equal (solver tolerance)
 
@@ -43,16 +45,17 @@ class IssuedPlan:
 
 
 def improvement_decision(
-    candidate: CapacityPlan, current: CapacityPlan | None, margin: float, gains_wait: str | None = None
+    candidate: Plan, current: Plan | None, margin: float, gains_wait: str | None = None
 ) -> TriggerDecision:
-    """The margin rule alone: should ``candidate`` replace ``current`` (None: nothing running)?
+    """The margin rule alone: should ``candidate`` replace ``current`` (None: nothing running)? The
+    same rule for one model's plan and for a division between models (its joint objective).
 
     ``gains_wait``: why a plan for a gain alone must wait (the monitor has not watched long enough to
     know the workload's bursts); a shape that cannot serve the workload is still replaced.
     """
     if current is None:
         return TriggerDecision(True, "nothing is running")
-    if _shape(candidate) == _shape(current):
+    if candidate.shape() == current.shape():
         return TriggerDecision(False, "the cluster already has this shape")
     if current.objective is None:
         return TriggerDecision(True, current.fallback_reason or "the current shape cannot serve the workload")
@@ -79,10 +82,6 @@ def improvement_decision(
     return TriggerDecision(
         False, f"gain below {margin:.0%}: average threshold {quality_gain:+.1%}, SLO slack {slack_gain:+.1%}"
     )
-
-
-def _shape(plan: CapacityPlan) -> dict[int, int]:
-    return {tp: n for tp, n in plan.instances_by_tp.items() if n}
 
 
 def _relative_gain(new: float, old: float) -> float:
@@ -113,7 +112,7 @@ class ReconfigTrigger:
         return last
 
     def consider(
-        self, plan_id: str, candidate: CapacityPlan, current: CapacityPlan | None, gains_wait: str | None = None
+        self, plan_id: str, candidate: Plan, current: Plan | None, gains_wait: str | None = None
     ) -> TriggerDecision:
         """Decide on ``candidate``; when it is to be applied, it becomes the plan in flight."""
         pending = self.in_flight()
@@ -121,8 +120,12 @@ class ReconfigTrigger:
             return TriggerDecision(False, f"plan {pending.plan_id} is still waiting for acknowledgement")
         decision = improvement_decision(candidate, current, self.margin, gains_wait)
         if decision.apply:
-            self._last = IssuedPlan(plan_id, issued_at=self._clock())
+            self.issue(plan_id)
         return decision
+
+    def issue(self, plan_id: str) -> None:
+        """``plan_id`` is applied (by this rule or a policy's own): it is the plan in flight."""
+        self._last = IssuedPlan(plan_id, issued_at=self._clock())
 
     def acknowledge(self, plan_id: str) -> bool:
         """Record the node agents' acknowledgement; False when ``plan_id`` is not the plan in flight."""
