@@ -210,7 +210,10 @@ def cmd_sim(args) -> int:
 
 def cmd_compare(args) -> int:
     from sim import experiments
+    from sim.multimodel import MULTI_PRESETS
 
+    if args.preset in MULTI_PRESETS:
+        return _compare_models(args)
     s = _setup(args)
     labels = args.policies.split(",") if args.policies else list(s.preset.policies)
     _check_policies(labels)
@@ -233,6 +236,66 @@ def cmd_compare(args) -> int:
         except ImportError:
             raise CliError("--plot: matplotlib is not installed (pip install matplotlib)") from None
     return 0
+
+
+def _compare_models(args) -> int:
+    """``compare`` on a multi-model preset (``sim.multimodel``): its own runs and report."""
+    import torch
+
+    from sim import multimodel
+
+    torch.set_num_threads(1)
+    unsupported = [flag for flag, given in (("--trace", args.trace), ("--time-scale", args.time_scale),
+                                            ("--kv-budget-mib", args.kv_budget_mib), ("--engine", args.engine),
+                                            ("--plot", args.plot)) if given is not None]
+    if unsupported:
+        raise CliError(f"{unsupported[0]}: not supported by the multi-model preset {args.preset}")
+    preset = multimodel.MULTI_PRESETS.get(args.preset)
+    if args.quick:
+        preset = preset.quick()
+    labels = args.policies.split(",") if args.policies else list(preset.policies)
+    unknown = [label for label in labels if label not in multimodel.DIVISIONS]
+    if unknown:
+        raise CliError(f"--policies: {unknown[0]!r} is not one of {', '.join(multimodel.DIVISIONS)} "
+                       f"(what {args.preset} runs)")
+    if not Path(args.model).is_dir():
+        raise CliError(f"--model: not a directory: {args.model}")
+    if not Path(args.profile).exists():
+        raise CliError(f"--profile: file not found: {args.profile}")
+    ms = multimodel.multi_setup(preset, args.model, args.profile)
+
+    def progress(label: str, summary: dict) -> None:
+        per = ", ".join(f"{name} {100 * f['slo_attainment']:.1f}%" for name, f in summary["by_model"].items())
+        print(f"  {label:<28} {summary['rate_mult']}x  SLO {100 * summary['slo_attainment']:5.1f}% ({per})  "
+              f"acc {100 * summary['accuracy']:5.1f}%  ({summary['wall_s']:.0f}s)", flush=True)
+
+    result = multimodel.compare(ms, labels, args.seed or 0, progress)
+    _write(args.json, result)
+    print_models_table(result)
+    return 0
+
+
+def print_models_table(result: dict) -> None:
+    setup = result["setup"]
+    models = list(setup["models"])
+    print(f"preset {result['preset']}: {setup['num_gpus']} GPUs, models "
+          + ", ".join(f"{n} (SLO {m['slo_s']:.2f}s, switch {m['switch_s']:g}s)" for n, m in setup["models"].items())
+          + f", phases {setup['phase_s']}, nominal capacity {setup['nominal_capacity_rps']:.1f} req/s")
+    head = "".join(f" {n[:12] + ' SLO %':>18} {'acc %':>6}" for n in models)
+    print(f"{'policy':<12} {'point':>6} {'rps':>7} {'SLO %':>7} {'acc %':>7}{head}")
+    for point in result["points"]:
+        for label, s in point["policies"].items():
+            per = "".join(f" {100 * s['by_model'][n]['slo_attainment']:18.1f} {100 * s['by_model'][n]['accuracy']:6.1f}"
+                          for n in models)
+            print(f"{label:<12} {point['rate_mult']:>5}x {point['rps']:7.2f} {100 * s['slo_attainment']:7.1f} "
+                  f"{100 * s['accuracy']:7.1f}{per}")
+        if "best_static_split" in point:
+            print(f"  best static split at {point['rate_mult']}x: {point['best_static_split']}")
+    hours = result.get("gpu_hours")
+    if hours:
+        print(f"GPU-hours: DiLaServe {hours['dilaserve']}, each model its own peak {hours['each_model_its_peak']} "
+              f"(saving {100 * hours['saving']:.1f}%)")
+    print("headline:", json.dumps(result["headline"]))
 
 
 def cmd_capacity(args) -> int:

@@ -83,6 +83,7 @@ def _aligned_free_slot(free: list[int], tp: int, num_gpus: int) -> tuple[int, ..
 class PendingStart:
     instance: Instance
     plan_id: str
+    model: str | None = None  # the model it starts (None: the cluster's one model)
 
 
 @dataclass
@@ -98,14 +99,21 @@ class SimCluster:
     pending: list[PendingStart] = field(default_factory=list)
     plan_to_num_pending: dict[str, int] = field(default_factory=dict)  # plan id -> starts not up yet
     num_started: int = 0
+    # several models: each model's profile (absent: every instance is spec.model on ``profile``)
+    profiles: dict[str, LatencyProfile] = field(default_factory=dict)
+    model_of: dict[str, str] = field(default_factory=dict)  # instance id -> the model it serves
 
-    def start_now(self, instance: Instance) -> str:
-        """Register an instance immediately (initial placement, or after its start-up)."""
+    def start_now(self, instance: Instance, model: str | None = None) -> str:
+        """Register an instance of ``model`` (None: the spec's one model) immediately (initial
+        placement, or after its start-up)."""
+        model = model or self.spec.model
+        profile = self.profiles.get(model, self.profile)
         self.num_started += 1
         iid = f"{instance.node}/g{instance.gpu_ids[0]}-{instance.gpu_ids[-1]}#{self.num_started}"
-        self.view.add_instance(iid, instance.tp, self.profile, node_id=instance.node, max_batch=self.spec.max_batch,
-                               mem_limit_tokens=self.spec.kv_tokens(self.profile, instance.tp), model=self.spec.model)
+        self.view.add_instance(iid, instance.tp, profile, node_id=instance.node, max_batch=self.spec.max_batch,
+                               mem_limit_tokens=self.spec.kv_tokens(profile, instance.tp), model=model)
         self.id_to_instance[iid] = instance
+        self.model_of[iid] = model
         for gpu in instance.gpu_ids:
             self.gpu_to_owner[(instance.node, gpu)] = iid
         return iid
@@ -126,6 +134,7 @@ class SimCluster:
     def release(self, iid: str) -> None:
         """A drained instance left the view (the scheduling core removed it): its GPUs are free."""
         self.draining_ids.discard(iid)
+        self.model_of.pop(iid, None)
         instance = self.id_to_instance.pop(iid)
         for gpu in instance.gpu_ids:
             if self.gpu_to_owner.get((instance.node, gpu)) == iid:
@@ -147,6 +156,17 @@ class SimCluster:
     def as_reconfig_cluster(self) -> Cluster:
         nodes = tuple(Node(name, tuple(range(self.spec.gpus_per_node))) for name in self.spec.node_names())
         return Cluster(nodes, tuple(sorted(self.spec.tp_degrees)), self.placement())
+
+    def running_models(self) -> dict[Instance, str]:
+        """The model of each running instance that is not draining (what ``plan_models`` reads)."""
+        return {inst: self.model_of[iid] for iid, inst in self.id_to_instance.items() if iid not in self.draining_ids}
+
+    def gpus_by_model(self) -> dict[str, int]:
+        """GPUs each model's live (non-draining) instances hold."""
+        out: dict[str, int] = {}
+        for inst, model in self.running_models().items():
+            out[model] = out.get(model, 0) + inst.tp
+        return out
 
     def instances_by_tp(self) -> dict[int, int]:
         # tp degree -> live (non-draining) instances

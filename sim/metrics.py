@@ -43,14 +43,18 @@ class Timeline:
     instances_by_tp: list[dict[int, int]] = field(default_factory=list)  # tp degree -> instances
     mean_threshold: list[float | None] = field(default_factory=list)  # over steps since the last sample
     arrivals_rps: list[float] = field(default_factory=list)
+    gpus_by_model: list[dict[str, int]] = field(default_factory=list)  # several models: GPUs each holds
 
     def to_json(self) -> dict:
-        return {
+        out = {
             "time_s": [round(t, 3) for t in self.times],
             "instances_by_tp": [{str(k): v for k, v in sorted(d.items())} for d in self.instances_by_tp],
             "mean_threshold": [None if t is None else round(t, 4) for t in self.mean_threshold],
             "arrivals_rps": [round(r, 3) for r in self.arrivals_rps],
         }
+        if self.gpus_by_model:
+            out["gpus_by_model"] = self.gpus_by_model
+        return out
 
 
 def summarize(records: list[SimRequestRecord]) -> dict:

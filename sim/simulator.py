@@ -119,14 +119,20 @@ class Simulator:
         sample_period_s: float = 1.0,
         clock: VirtualClock | None = None,
         steps: StepConfig | None = None,
+        timers: dict[str, StepTimer] | None = None,
     ) -> None:
-        """``steps``: overlap and pipelining (default: as the live scheduler runs them)."""
+        """``steps``: overlap and pipelining (default: as the live scheduler runs them). Several
+        models: ``timers`` times each model's steps (a model not named: ``timer``), and a
+        ``reconfigurator`` that divides GPUs between models (``ModelsReconfigurator`` or a baseline)
+        is stepped with the model of every running instance."""
         self.clock = clock or VirtualClock()
         self.core = StepScheduler(loop, steps or StepConfig())
         self.view = loop.view
         self.cluster = cluster
         self.engine = engine
         self.timer = timer
+        self.timers = timers or {}
+        self.startup_s: dict[str, float] = {}  # model -> its load and warm-up (absent: the spec's startup_s)
         self.predictor = predictor or FallbackOnly()
         self.reconfigurator = reconfigurator
         self.cache_mode = cache_mode
@@ -206,7 +212,7 @@ class Simulator:
             state_version=1,
         )
         if self.reconfigurator is not None:
-            self.reconfigurator.observe(ArrivalEvent(self.now, prompt_len, spec.gen_len, spec.slo_s))
+            self.reconfigurator.observe(ArrivalEvent(self.now, prompt_len, spec.gen_len, spec.slo_s), spec.model)
         self._carry_out(self.core.on_arrivals(self.now, [request]))
 
     def _on_step_end(self, payload: tuple[str, int]) -> None:
@@ -262,7 +268,7 @@ class Simulator:
         self.core.on_prediction(self.now, rid, prediction)
 
     def _on_instance_up(self, pending: PendingStart) -> None:
-        self.cluster.start_now(pending.instance)
+        self.cluster.start_now(pending.instance, pending.model)
         left = self.cluster.plan_to_num_pending[pending.plan_id] - 1
         self.cluster.plan_to_num_pending[pending.plan_id] = left
         self._carry_out(self.core.tick(self.now))
@@ -270,10 +276,18 @@ class Simulator:
             self._next_wave(pending.plan_id)  # the next wave, or the acknowledgement after the last
 
     def _on_reconfig(self, _payload) -> None:
-        result = self.reconfigurator.step(self.cluster.as_reconfig_cluster())
+        several = getattr(self.reconfigurator, "divides_models", False)  # GPUs divided between models
+        cluster = self.cluster.as_reconfig_cluster()
+        result = (self.reconfigurator.step(cluster, self.cluster.running_models()) if several
+                  else self.reconfigurator.step(cluster))
         plan = result.plan_to_apply
         entry = {"time_s": round(self.now, 3), "applied": plan is not None, "reason": result.decision.reason}
-        if plan is not None:
+        if plan is not None and several:
+            entry["plan_id"] = plan.plan_id
+            entry["instances_by_model"] = {name: {str(k): v for k, v in sorted(by_tp.items()) if v}
+                                           for name, by_tp in plan.division.instances_by_model_tp.items()}
+            self._apply_division(plan)
+        elif plan is not None:
             entry["plan_id"] = plan.plan_id
             entry["instances_by_tp"] = {str(k): v for k, v in sorted(plan.capacity.instances_by_tp.items()) if v}
             self._apply_plan(plan)
@@ -285,6 +299,8 @@ class Simulator:
         total, count = self._window_threshold
         self.timeline.times.append(self.now)
         self.timeline.instances_by_tp.append(self.cluster.instances_by_tp())
+        if self.cluster.profiles:
+            self.timeline.gpus_by_model.append(self.cluster.gpus_by_model())
         self.timeline.mean_threshold.append(total / count if count else None)
         self.timeline.arrivals_rps.append(self._window_arrivals / self.sample_period_s)
         self._window_threshold = [0.0, 0]
@@ -326,8 +342,10 @@ class Simulator:
         requests = [self.view.requests[it.request_id] for it in command.items]
         token, recompute = self.engine.start(iid, [(it.request_id, float(it.threshold)) for it in command.items])
         contexts = [r.context_tokens for r, rec in zip(requests, recompute, strict=True) if rec]
-        duration = self.timer.duration(self.view.instances[iid].tp, contexts, len(recompute) - len(contexts),
-                                       self.cache_mode == CacheMode.NONE)
+        instance = self.view.instances[iid]
+        timer = self.timers.get(instance.model, self.timer)
+        duration = timer.duration(instance.tp, contexts, len(recompute) - len(contexts),
+                                  self.cache_mode == CacheMode.NONE)
         duration += max((self.cluster.migration_s(r.context_tokens) for it, r in zip(command.items, requests, strict=True)
                          if it.load_state and r.holder_id not in (None, iid)), default=0.0)
         self._running[iid] = _Running(command, token, duration)
@@ -368,6 +386,25 @@ class Simulator:
         self._plan_waves[plan.plan_id] = waves
         self._next_wave(plan.plan_id)
 
+    def _apply_division(self, outcome) -> None:
+        """A division between models (``ModelsOutcome``), every node at once: every model's stops
+        drain first; each start waits for its GPUs, then for the start-up time."""
+        stops = [inst for plan in outcome.placement.by_model.values() for node in plan.nodes for inst in node.stop]
+        starts = [PendingStart(inst, outcome.plan_id, model)
+                  for model, plan in outcome.placement.by_model.items() for node in plan.nodes for inst in node.start]
+        for inst in stops:
+            iid = self.cluster.drain(inst)
+            if iid is not None:
+                self._draining_since[iid] = self.now
+                self._carry_out(self.core.drain_instance(self.now, iid))
+        self.cluster.plan_to_num_pending[outcome.plan_id] = len(starts)
+        self.cluster.pending.extend(starts)
+        self._plan_waves[outcome.plan_id] = []
+        self._start_ready()
+        self._carry_out(self.core.tick(self.now))
+        if not starts:
+            self._next_wave(outcome.plan_id)  # acknowledged at once
+
     def _next_wave(self, plan_id: str) -> None:
         waves = self._plan_waves[plan_id]
         while waves:
@@ -394,8 +431,9 @@ class Simulator:
         for pending in self.cluster.pending:
             if self.cluster.gpus_free(pending.instance):
                 self.cluster.reserve(pending.instance)
-                self.reconfiguration_instance_s += self.cluster.spec.startup_s
-                self.queue.push(self.now + self.cluster.spec.startup_s, SimEvent.INSTANCE_UP, pending)
+                startup_s = self.startup_s.get(pending.model, self.cluster.spec.startup_s)
+                self.reconfiguration_instance_s += startup_s
+                self.queue.push(self.now + startup_s, SimEvent.INSTANCE_UP, pending)
             else:
                 still.append(pending)
         self.cluster.pending = still

@@ -1,0 +1,102 @@
+"""The simulator with several models: each model's steps timed by its own profile, every request on
+instances of its model through reconfigurations that move GPUs between the models, the division
+following the flipping mix, and the per-model figures the multi-model preset reports."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from sim import multimodel
+from sim.cluster import ClusterSpec
+from sim.multimodel import MULTI_PRESETS, MultiModelPreset, ServedModel, multi_setup, run
+from sim.simulator import Simulator
+
+
+def tiny() -> MultiModelPreset:
+    """Two models on 8 GPUs whose mix flips 90:10 -> 10:90, with short switch times."""
+    preset = MULTI_PRESETS.get("multi-model")
+    cluster = ClusterSpec(num_nodes=2, gpus_per_node=4, initial_tp=(1,) * 8, tp_degrees=(1, 2), reconfigure=True,
+                          reconfig_period_s=10.0, reconfig_window_s=10.0, reconfig_peak_windows=1)
+    flip = (0.9, 0.1)
+    return dataclasses.replace(
+        preset,
+        base=dataclasses.replace(preset.base, cluster=cluster),
+        models=(ServedModel("a", 4.0, flip, switch_s=3.0), ServedModel("b", 6.0, tuple(1 - s for s in flip),
+                                                                        profile_scale=0.8, switch_s=3.0)),
+        phase_s=(60.0, 60.0), rate_mults=(0.8,), flip_bin_s=10.0,
+    )
+
+
+@pytest.fixture(scope="module")
+def setup():
+    return multi_setup(tiny())
+
+
+@pytest.fixture(scope="module")
+def checked_run(setup):
+    """A DiLaServe run recording, for every step started, the instance's model and its requests' models."""
+    seen = []
+    original = Simulator._start
+
+    def start(self, command):
+        instance = self.view.instances[command.instance_id]
+        seen.append((instance.model, {self.view.requests[it.request_id].model for it in command.items}))
+        original(self, command)
+
+    Simulator._start = start
+    try:
+        summary = run(setup, "dilaserve", 0.8)
+    finally:
+        Simulator._start = original
+    return summary, seen
+
+
+def test_every_step_runs_only_requests_of_its_instances_model(checked_run):
+    summary, seen = checked_run
+    assert seen
+    assert all(models == {instance_model} for instance_model, models in seen)
+    moved = [r for r in summary["reconfigurations"] if r.get("instances_by_model")]
+    assert moved, "no division was applied, so nothing moved between the models"
+
+
+def test_the_division_follows_the_flip(checked_run):
+    summary, _ = checked_run
+    times = summary["gpus_over_time"]["time_s"]
+    gpus = summary["gpus_over_time"]["gpus_by_model"]
+    before = [g for t, g in zip(times, gpus, strict=True) if 30.0 <= t < 60.0]
+    after = [g for t, g in zip(times, gpus, strict=True) if t >= 90.0]
+    assert before and after
+    assert all(g.get("a", 0) > g.get("b", 0) for g in before)
+    assert all(g.get("b", 0) > g.get("a", 0) for g in after)
+
+
+def test_figures_per_model_and_after_each_flip(checked_run, setup):
+    summary, _ = checked_run
+    assert set(summary["by_model"]) == {"a", "b"}
+    assert sum(f["num_requests"] for f in summary["by_model"].values()) == summary["num_requests"]
+    for figures in summary["by_model"].values():
+        assert [f["flip_s"] for f in figures["after_flips"]["flips"]] == [60.0]
+        assert len(figures["attainment_over_time"]) >= 11
+    # each model's SLO is its own factor times its own isolated latency (b's steps are 0.8x a's)
+    a, b = setup.models["a"], setup.models["b"]
+    assert b.base_latency_s == pytest.approx(0.8 * a.base_latency_s, rel=1e-6)
+    assert a.slo_s == pytest.approx(4.0 * a.base_latency_s) and b.slo_s == pytest.approx(6.0 * b.base_latency_s)
+
+
+def test_a_static_split_never_moves(setup):
+    summary = run(setup, "static", 0.8, split={"a": 6, "b": 2})
+    assert summary["reconfigurations"] == []
+    assert all(g == {"a": 6, "b": 2} for g in summary["gpus_over_time"]["gpus_by_model"])
+
+
+def test_per_model_planners_move_gpus_too(setup):
+    summary = run(setup, "per-model", 0.8)
+    assert summary["reconfigurations"]
+    assert set(summary["by_model"]) == {"a", "b"}
+
+
+def test_compare_refuses_an_unknown_policy(setup):
+    with pytest.raises(ValueError, match="unknown policies"):
+        multimodel.compare(setup, ["dilaserve", "nope"])
