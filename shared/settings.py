@@ -10,6 +10,7 @@ environment: ``GatewaySettings(port=9000)``. ``env_vars(cls)`` lists a class's v
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import AliasChoices, Field, field_validator, model_validator
@@ -367,11 +368,34 @@ class PredictorSettings(ServesModels, ServiceSettings):
         return self.retrain or self.live_error_rows > 0
 
 
+DEFAULT_SWITCH_S = 60.0  # a model's switch time when DLS_RECONFIGURATOR_SWITCH_S names it not (the simulator's)
+DEFAULT_MIN_INSTANCES = 1  # what a model keeps with no load when DLS_RECONFIGURATOR_MIN_INSTANCES names it not
+
+
+def parse_model_pairs(text: str, setting: str, unit: str, cast: type, minimum: float) -> dict[str, Any]:
+    """``name=value,name=value`` as a dict; ``ValueError`` naming ``setting`` and the pair that is wrong
+    (a value that ``cast`` refuses or below ``minimum``, no name, or a name twice)."""
+    out: dict[str, Any] = {}
+    for pair in (p.strip() for p in text.split(",") if p.strip()):
+        name, sep, raw = (part.strip() for part in pair.partition("="))
+        try:
+            value = cast(raw) if sep and name else None
+        except ValueError:
+            value = None
+        if value is None or not minimum <= value < float("inf"):  # NaN and infinity too
+            raise ValueError(f"{setting}: {pair!r} is not name={unit} with {unit} >= {minimum:g}")
+        if name in out:
+            raise ValueError(f"{setting}: {name!r} is named twice")
+        out[name] = value
+    return out
+
+
 class ReconfiguratorSettings(ServesModels, ServiceSettings):
     """The periodic cluster planner."""
 
     model_dir: str = _model_dir("reconfigurator", "served model: its calibration's profile plans the cluster "
-                                                  "(uncalibrated: observe only)")
+                                                  "(uncalibrated: no plans; with several models, one uncalibrated "
+                                                  "among them: no plans)")
     model_dirs: str = _model_dirs("reconfigurator")
     enabled: bool = _own("reconfigurator", "enabled", True, "publish plans; false: observe only")
     interval_s: float = _own("reconfigurator", "interval_s", 300.0, "period between plans", gt=0)
@@ -379,7 +403,9 @@ class ReconfiguratorSettings(ServesModels, ServiceSettings):
                                "cluster spec: inline JSON or a JSON file (nodes, GPUs); unset: the nodes and "
                                "GPUs seen in heartbeats")
     profile: str = _own("reconfigurator", "profile", "",
-                        "step-latency profile file; empty: the served model's calibration's")
+                        "step-latency profile file (with several models: every one is planned with it, as the "
+                        "workers of `dls up --pace` all step at its times); empty: each served model's "
+                        "calibration's")
     improvement_margin: float = _own("reconfigurator", "improvement_margin", 0.1,
                                      "apply a plan only when Stage 1 improves by this fraction", ge=0)
     solver_time_limit_s: float = _own("reconfigurator", "solver_time_limit_s", 30.0, "HiGHS time limit", gt=0)
@@ -398,6 +424,35 @@ class ReconfiguratorSettings(ServesModels, ServiceSettings):
     rolling: bool = _own("reconfigurator", "rolling", True,
                          "publish a plan one changed node at a time, each once the previous node acknowledged "
                          "(its new instances are up); false: every node at once")
+    switch_s: str = _own("reconfigurator", "switch_s", "",
+                         "with several models: each one's switch time, the seconds from deciding to start one of "
+                         "its instances to that instance serving (drain, stop, load its weights, warm up), which "
+                         "the division weighs against what a move gains; name=seconds pairs, comma-separated; a "
+                         f"model not named: {DEFAULT_SWITCH_S:g}")
+    min_instances: str = _own("reconfigurator", "min_instances", "",
+                              "with several models: the instances each one keeps with no load, as name=n pairs, "
+                              f"comma-separated (0 allowed); a model not named: {DEFAULT_MIN_INSTANCES}")
+
+    @model_validator(mode="after")
+    def _model_pairs(self) -> ReconfiguratorSettings:
+        served = [Path(d).name for d in self.served_model_dirs]
+        for setting, pairs in (("DLS_RECONFIGURATOR_SWITCH_S", self.switch_s_by_model),
+                               ("DLS_RECONFIGURATOR_MIN_INSTANCES", self.min_instances_by_model)):
+            unknown = sorted(set(pairs) - set(served))
+            if unknown:
+                raise ValueError(f"{setting} names {', '.join(unknown)}, which is not served (served: "
+                                 f"{', '.join(served)}; a model's name is its directory's basename)")
+        return self
+
+    @property
+    def switch_s_by_model(self) -> dict[str, float]:
+        # model name -> switch time (s); models not named: DEFAULT_SWITCH_S
+        return parse_model_pairs(self.switch_s, "DLS_RECONFIGURATOR_SWITCH_S", "seconds", float, 0.0)
+
+    @property
+    def min_instances_by_model(self) -> dict[str, int]:
+        # model name -> instances kept with no load; models not named: DEFAULT_MIN_INSTANCES
+        return parse_model_pairs(self.min_instances, "DLS_RECONFIGURATOR_MIN_INSTANCES", "n", int, 0)
 
 
 class NodeAgentSettings(ServesModels, ServiceSettings):

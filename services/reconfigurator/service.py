@@ -21,6 +21,15 @@
 
 The cluster (nodes and their GPUs) comes from the ``cluster`` setting (see ``parse_cluster_spec``) or,
 when unset, from the nodes and GPUs seen in heartbeats.
+
+Several served models (``model_dirs``): the core is ``ModelsReconfigurator``, one ``ModelDemand`` per
+model (its profile, ``switch_s`` and ``min_instances`` settings), and every arrival goes to its
+model's monitor (``Arrival.model``). The running instances' models come from their heartbeats (an
+instance of a model not served is left out, said once). A plan is a division: each node's plan holds
+every model's keep, stop and start slots, each slot naming its model (the node agent stops every
+stop before any start), ``instances_by_model`` each model's shape and ``instances_by_tp`` their sum.
+Rolling waves, acks and the one-plan-in-flight rule are as with one model. The operator path names
+no model, so with several models it is refused.
 """
 
 from __future__ import annotations
@@ -31,7 +40,8 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,15 +50,20 @@ from opentelemetry.trace import SpanKind
 
 from services.reconfigurator.core.files import SpecError, parse_cluster
 from services.reconfigurator.core.monitor import ArrivalEvent, MonitorSettings
-from services.reconfigurator.core.plan import PlacementPlan, rolling_waves
+from services.reconfigurator.core.plan import DivisionPlan, ModelPlacement, PlacementPlan, rolling_waves
 from services.reconfigurator.core.plan import ReconfigPlan as CorePlan
-from services.reconfigurator.core.planner import PlannerOptions
-from services.reconfigurator.core.reconfigurator import PlanningRound, Reconfigurator
+from services.reconfigurator.core.planner import ModelsOutcome, PlannerOptions
+from services.reconfigurator.core.reconfigurator import (
+    ModelsReconfigurator,
+    ModelsRound,
+    PlanningRound,
+    Reconfigurator,
+)
 from services.reconfigurator.core.solver import SolverOptions
-from services.reconfigurator.core.spec import Cluster, Instance
+from services.reconfigurator.core.spec import Cluster, Instance, ModelDemand, Workload
 from services.reconfigurator.core.stage1 import Stage1Options
 from services.reconfigurator.core.stage2 import Stage2Options, solve_stage2
-from shared.calibration import of_service, uncalibrated_message
+from shared.calibration import find, of_service, uncalibrated_message
 from shared.leases import LeaseTable
 from shared.messages import codec
 from shared.messages.control import (
@@ -66,7 +81,7 @@ from shared.messages.control import (
 from shared.metrics import ReconfiguratorMetrics, serve_metrics
 from shared.profiles import LatencyProfile
 from shared.runtime import connect_nats, on_stop_signals
-from shared.settings import ReconfiguratorSettings
+from shared.settings import DEFAULT_MIN_INSTANCES, DEFAULT_SWITCH_S, ReconfiguratorSettings
 from shared.subjects import Subjects
 from shared.telemetry import inject_headers, setup_tracing, shutdown_tracing, tracer
 
@@ -118,12 +133,25 @@ def arrival_event(arrival) -> ArrivalEvent:
                         output_tokens=arrival.output_tokens, slo_s=arrival.slo_s)
 
 
-def wire_node_plans(placement: PlacementPlan) -> list[NodePlan]:
+def wire_node_plans(placement: PlacementPlan, model: str = "") -> list[NodePlan]:
+    """One model's per-node lists as the wire's, each slot naming ``model`` ("": the agent's own)."""
     def slots(instances: tuple[Instance, ...]) -> list[InstanceSlot]:
-        return [InstanceSlot(tp=i.tp, gpu_ids=list(i.gpu_ids)) for i in instances]
+        return [InstanceSlot(tp=i.tp, gpu_ids=list(i.gpu_ids), model=model) for i in instances]
 
     return [NodePlan(node=n.node, keep=slots(n.keep), stop=slots(n.stop), start=slots(n.start))
             for n in placement.nodes]
+
+
+def wire_model_node_plans(placement: ModelPlacement) -> list[NodePlan]:
+    """Every model's per-node lists merged into one plan per node (sorted by node), each slot naming
+    its model: a slot that changes model is one model's stop and another's start on the same node."""
+    node_to_parts: dict[str, list[NodePlan]] = {}  # node -> each model's plan there
+    for model, plan in placement.by_model.items():
+        for part in wire_node_plans(plan, model):
+            node_to_parts.setdefault(part.node, []).append(part)
+    return [NodePlan(node=node, keep=[s for p in parts for s in p.keep], stop=[s for p in parts for s in p.stop],
+                     start=[s for p in parts for s in p.start])
+            for node, parts in sorted(node_to_parts.items())]
 
 
 def wire_plan(plan: CorePlan, created_at: float) -> ReconfigPlan:
@@ -139,6 +167,50 @@ def wire_plan(plan: CorePlan, created_at: float) -> ReconfigPlan:
         avg_threshold=capacity.avg_threshold,
         fallback_reason=capacity.fallback_reason,
     )
+
+
+def wire_division(outcome: ModelsOutcome, created_at: float) -> ReconfigPlan:
+    """A division between models (``ModelsReconfigurator``) as published on ``plans``: no
+    ``batch_by_tp`` (each model has its own batches, in the division's per-model plans)."""
+    division = outcome.division
+    instances_by_model = {model: {tp: n for tp, n in sorted(by_tp.items()) if n}
+                          for model, by_tp in division.instances_by_model_tp.items()}
+    instances_by_tp: Counter[int] = Counter()  # tp degree -> every model's instances
+    for by_tp in instances_by_model.values():
+        instances_by_tp.update(by_tp)
+    return ReconfigPlan(
+        plan_id=outcome.plan_id,
+        created_at=created_at,
+        nodes=wire_model_node_plans(outcome.placement),
+        instances_by_tp=dict(sorted(instances_by_tp.items())),
+        instances_by_model=instances_by_model,
+        avg_threshold=division.objective.avg_threshold if division.objective else None,
+        fallback_reason=division.fallback_reason,
+    )
+
+
+def division_summary(division: DivisionPlan | None) -> str:
+    """``a 3 GPUs {1: 3}, b 1 GPUs {1: 1}``: each model's GPUs and instances per degree (for logs)."""
+    if division is None:
+        return "nothing running"
+    return ", ".join(f"{model} {division.gpus_by_model[model]} GPUs "
+                     f"{ {tp: n for tp, n in sorted(by_tp.items()) if n} }"
+                     for model, by_tp in division.instances_by_model_tp.items())
+
+
+def model_demands(settings: ReconfiguratorSettings, profiles: Mapping[str, LatencyProfile]) -> list[ModelDemand]:
+    """One ``ModelDemand`` per served model (its workload empty: the core fills it from the model's
+    monitor): its profile and degrees, its ``switch_s`` and ``min_instances`` settings, the one KV budget.
+    ``ValueError`` when ``profiles`` are not of the served models."""
+    served = [Path(d).name for d in settings.served_model_dirs]
+    if list(profiles) != served:
+        raise ValueError(f"profiles of {', '.join(profiles)}, but DLS_RECONFIGURATOR_MODEL_DIRS serves "
+                         f"{', '.join(served)}")
+    switch_s, min_instances = settings.switch_s_by_model, settings.min_instances_by_model
+    return [ModelDemand(model, Workload(()), profile, switch_s=switch_s.get(model, DEFAULT_SWITCH_S),
+                        min_instances=min_instances.get(model, DEFAULT_MIN_INSTANCES),
+                        tp_degrees=profile.tp_degrees, kv_budget_bytes=None)
+            for model, profile in profiles.items()]
 
 
 def operator_plan(plan_id: str, instances_by_tp: dict[int, int], placement: PlacementPlan,
@@ -170,28 +242,32 @@ def plan_ids() -> Iterator[str]:
     return (f"plan-{run}-{n}" for n in itertools.count(1))
 
 
-class ReconfiguratorService:
-    """Feeds the core from ``stats`` and ``heartbeat``, publishes its plans, collects the acks."""
+def tp_degrees_of(profiles: Mapping[str, LatencyProfile]) -> tuple[int, ...]:
+    """The degrees the cluster is planned at: every degree some model's profile knows (each model is
+    held to its own profile's, ``ModelDemand.tp_degrees``)."""
+    return tuple(sorted({d for p in profiles.values() for d in p.tp_degrees}))
 
-    def __init__(self, settings: ReconfiguratorSettings, nc, profile: LatencyProfile,
+
+class ReconfiguratorService:
+    """Feeds the core from ``stats`` and ``heartbeat``, publishes its plans, collects the acks.
+
+    ``profile``: the one served model's profile, or model name -> profile, one per served model (more
+    than one: the GPUs are divided between them, ``ModelsReconfigurator``)."""
+
+    def __init__(self, settings: ReconfiguratorSettings, nc, profile: LatencyProfile | Mapping[str, LatencyProfile],
                  clock: Callable[[], float] = time.time) -> None:
         self.settings = settings
         self.nc = nc
-        self.profile = profile
+        self.profiles = dict(profile) if isinstance(profile, Mapping) else {"": profile}  # model -> its profile
+        self.profile = next(iter(self.profiles.values()))  # one model's (several: the first's)
+        self.models = tuple(self.profiles) if len(self.profiles) > 1 else ()  # the models divided; (): one model
         self.clock = clock
         self.subjects = Subjects(settings.subject_prefix)
-        self.configured = parse_cluster_spec(settings.cluster, profile.tp_degrees) if settings.cluster else None
+        self.tp_degrees = tp_degrees_of(self.profiles)
+        self.configured = parse_cluster_spec(settings.cluster, self.tp_degrees) if settings.cluster else None
         self.plan_ids = plan_ids()
         self.stage2 = Stage2Options(SolverOptions(time_limit_s=settings.solver_time_limit_s, mip_rel_gap=0.0))
-        self.core = Reconfigurator(
-            profile, clock,
-            MonitorSettings(window_s=settings.window_s, min_window_s=min(10.0, settings.window_s),
-                            **({} if settings.peak_windows is None else {"peak_windows": settings.peak_windows})),
-            PlannerOptions(stage1=Stage1Options(solver=SolverOptions(time_limit_s=settings.solver_time_limit_s),
-                                                kv_budget_bytes=settings.kv_budget_bytes),
-                           stage2=self.stage2),
-            margin=settings.improvement_margin, ack_timeout_s=settings.ack_timeout_s, plan_ids=self.plan_ids,
-        )
+        self.core = self._make_core()
         self.leases = LeaseTable()  # the instances heard within their lease (counted from receipt)
         self.node_to_seen_gpu_ids: dict[str, set[int]] = {}  # node -> GPUs its instances held (default cluster)
         self.awaited: dict[str, AwaitedPlan] = {}  # plan id -> plan waiting for acks
@@ -200,12 +276,25 @@ class ReconfiguratorService:
         self.num_plans_completed = 0  # every node it changes acknowledged it
         self.num_malformed = 0
         self._planning = asyncio.Lock()  # one step or operator plan at a time
-        self._held_arrivals: list[ArrivalEvent] | None = None  # arrivals held while the core steps in a thread
+        # arrivals (each with its model) held while the core steps in a thread
+        self._held_arrivals: list[tuple[ArrivalEvent, str]] | None = None
         self._warned: set[str] = set()  # instance ids already warned about
         self._subscriptions: list = []
         self._tasks: list[asyncio.Task] = []
         self.metrics = ReconfiguratorMetrics()
         self._tracer = tracer("dls.reconfigurator")
+
+    def _make_core(self) -> Reconfigurator | ModelsReconfigurator:
+        settings = self.settings
+        monitor = MonitorSettings(window_s=settings.window_s, min_window_s=min(10.0, settings.window_s),
+                                  **({} if settings.peak_windows is None else {"peak_windows": settings.peak_windows}))
+        options = PlannerOptions(stage1=Stage1Options(solver=SolverOptions(time_limit_s=settings.solver_time_limit_s),
+                                                      kv_budget_bytes=settings.kv_budget_bytes),
+                                 stage2=self.stage2)
+        common = dict(margin=settings.improvement_margin, ack_timeout_s=settings.ack_timeout_s, plan_ids=self.plan_ids)
+        if not self.models:
+            return Reconfigurator(self.profile, self.clock, monitor, options, **common)
+        return ModelsReconfigurator(model_demands(settings, self.profiles), self.clock, monitor, options, **common)
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -217,8 +306,15 @@ class ReconfiguratorService:
         if periodic:
             self._tasks.append(asyncio.create_task(self._periodic(), name="reconfigure"))
         cluster = "heartbeats" if self.configured is None else f"{len(self.configured.nodes)} configured nodes"
-        logger.info("reconfigurator up: every %.0f s, cluster from %s, %s", self.settings.interval_s, cluster,
-                    "publishing plans" if self.settings.enabled else "observe only")
+        logger.info("reconfigurator up: every %.0f s, cluster from %s, %s%s", self.settings.interval_s, cluster,
+                    "publishing plans" if self.settings.enabled else "observe only", self._models_said())
+
+    def _models_said(self) -> str:
+        if not self.models:
+            return ""
+        demands = self.core.models.values()
+        return ", dividing the GPUs between " + ", ".join(
+            f"{d.name} (switch {d.switch_s:g} s, at least {d.min_instances})" for d in demands)
 
     async def stop(self) -> None:
         for task in self._tasks:
@@ -251,13 +347,13 @@ class ReconfiguratorService:
         stats = self._decode(WorkloadStats, msg.data)
         if stats is None:
             return
-        events = [arrival_event(a) for a in stats.arrivals]
+        events = [(arrival_event(a), a.model) for a in stats.arrivals]
         self.num_arrivals += len(events)
         if self._held_arrivals is not None:  # the core is stepping in a thread: feed them afterwards
             self._held_arrivals.extend(events)
             return
-        for event in events:
-            self.core.observe(event)
+        for event, model in events:
+            self.core.observe(event, model)  # one model: the model is not looked at
 
     async def _on_heartbeat(self, msg) -> None:
         beat = self._decode(WorkerHeartbeat, msg.data)
@@ -297,41 +393,52 @@ class ReconfiguratorService:
 
     def cluster(self) -> Cluster | None:
         """Nodes, GPUs and the running instances now; None while no node is known."""
+        return self.configuration()[0]
+
+    def configuration(self) -> tuple[Cluster | None, dict[Instance, str]]:
+        """The cluster with its running instances, and the model of each (instance -> the model its
+        heartbeats name); (None, {}) while no node is known."""
         base = self.configured or self._seen_cluster()
         if base is None:
-            return None
-        return base.with_placement(tuple(sorted(self._placement(base))))
+            return None, {}
+        running_models = self._placement(base)
+        return base.with_placement(tuple(sorted(running_models))), running_models
 
     def _seen_cluster(self) -> Cluster | None:
         nodes = [{"name": node, "gpu_ids": sorted(gpus)} for node, gpus in sorted(self.node_to_seen_gpu_ids.items())
                  if gpus]
-        return parse_cluster({"nodes": nodes}, self.profile.tp_degrees, "GPUs seen in heartbeats") if nodes else None
+        return parse_cluster({"nodes": nodes}, self.tp_degrees, "GPUs seen in heartbeats") if nodes else None
 
-    def _placement(self, cluster: Cluster) -> set[Instance]:
+    def _placement(self, cluster: Cluster) -> dict[Instance, str]:
+        """The live instances that fit ``cluster`` (instance -> its model); the others are said once."""
         now = self.clock()
         self.leases.expire(now)  # silent for longer than their lease: gone
         name_to_gpus = {n.name: set(n.gpu_ids) for n in cluster.nodes}
-        placement = set()
+        placement: dict[Instance, str] = {}  # instance -> its model
         for lease in self.leases:
             beat, instance_id = lease.heartbeat, lease.instance_id
             if beat.status not in _LIVE:
                 continue
             problem = self._misfit(beat, name_to_gpus, cluster.tp_degrees)
             if problem is None:
-                placement.add(Instance(beat.node, beat.tp, tuple(sorted(beat.gpu_ids))))
+                placement[Instance(beat.node, beat.tp, tuple(sorted(beat.gpu_ids)))] = beat.model
             elif instance_id not in self._warned:
                 self._warned.add(instance_id)
                 logger.warning("instance %s left out of the configuration: %s", instance_id, problem)
         return placement
 
-    @staticmethod
-    def _misfit(beat: WorkerHeartbeat, name_to_gpus: dict[str, set[int]], tp_degrees: tuple[int, ...]) -> str | None:
+    def _misfit(self, beat: WorkerHeartbeat, name_to_gpus: dict[str, set[int]],
+                tp_degrees: tuple[int, ...]) -> str | None:
         if beat.node not in name_to_gpus:
             return f"node {beat.node!r} is not in the cluster spec"
         if beat.tp not in tp_degrees:
             return f"TP degree {beat.tp} is not planned for (degrees {list(tp_degrees)})"
         if len(beat.gpu_ids) != beat.tp or not set(beat.gpu_ids) <= name_to_gpus[beat.node]:
             return f"GPUs {list(beat.gpu_ids)} are not {beat.tp} GPUs of node {beat.node!r}"
+        if self.models and beat.model not in self.models:
+            return f"its model {beat.model!r} is not served (served: {', '.join(self.models)})"
+        if self.models and beat.tp not in self.profiles[beat.model].tp_degrees:
+            return f"TP degree {beat.tp} is not in {beat.model}'s profile"
         return None
 
     def _expire_awaited(self) -> None:
@@ -349,35 +456,49 @@ class ReconfiguratorService:
 
     # --- plans -----------------------------------------------------------------------------------
 
-    async def step(self) -> PlanningRound | None:
+    async def step(self) -> PlanningRound | ModelsRound | None:
         """One period: the core's step on the current cluster; publish the plan it says to apply."""
         async with self._planning:
             waiting = self._in_flight_reason()
             if waiting is not None:
                 logger.info("no reconfiguration this period: %s", waiting)
                 return None
-            cluster = self.cluster()
+            cluster, running_models = self.configuration()
             if cluster is None:
                 logger.info("no reconfiguration this period: no node known yet (set %s or start workers)",
                             CLUSTER_SETTING)
                 return None
             self._held_arrivals = []
             try:
-                result = await asyncio.to_thread(self.core.step, cluster)
+                result = await asyncio.to_thread(self._core_step, cluster, running_models)
             finally:
                 held, self._held_arrivals = self._held_arrivals, None
-                for event in held:
-                    self.core.observe(event)
+                for event, model in held:
+                    self.core.observe(event, model)
             plan = result.plan_to_apply
             logger.info("reconfiguration: %s (%s)", "apply " + plan.plan_id if plan else "keep", result.decision.reason)
             if plan is not None:
+                wire = self._wire(plan)
+                if self.models:
+                    logger.info("plan %s divides the GPUs: %s (running: %s)", plan.plan_id,
+                                division_summary(plan.division), division_summary(plan.current))
                 if self.settings.enabled:
-                    await self._publish(wire_plan(plan, self.clock()), operator=False)
+                    await self._publish(wire, operator=False)
                 else:
                     # Observe only: nothing will acknowledge the plan, so free the core's in-flight slot now.
                     self.core.acknowledge(plan.plan_id)
-                    logger.info("observe only: plan %s not published (%s)", plan.plan_id, plan.capacity.instances_by_tp)
+                    logger.info("observe only: plan %s not published (%s)", plan.plan_id, wire.instances_by_tp)
             return result
+
+    def _core_step(self, cluster: Cluster, running_models: dict[Instance, str]) -> PlanningRound | ModelsRound:
+        if self.models:
+            return self.core.step(cluster, running_models)
+        return self.core.step(cluster)
+
+    def _wire(self, plan: CorePlan | ModelsOutcome) -> ReconfigPlan:
+        if isinstance(plan, ModelsOutcome):
+            return wire_division(plan, self.clock())
+        return wire_plan(plan, self.clock())
 
     async def apply(self, request: ApplyConfiguration) -> ApplyConfigurationReply:
         """The operator path: place ``request.instances_by_tp`` with Stage 2 and publish it."""
@@ -385,6 +506,10 @@ class ReconfiguratorService:
             waiting = self._in_flight_reason()
             if waiting is not None:
                 return ApplyConfigurationReply(error=waiting)
+            if self.models:
+                return ApplyConfigurationReply(error=f"the cluster is divided between {', '.join(self.models)}, and "
+                                                     "an ApplyConfiguration names no model: not supported with "
+                                                     "several models")
             cluster = self.cluster()
             if cluster is None:
                 return ApplyConfigurationReply(error=f"no node known yet: set {CLUSTER_SETTING} or start workers")
@@ -423,8 +548,9 @@ class ReconfiguratorService:
         self.awaited[plan.plan_id] = awaited  # before publishing: an ack may come back at once
         self.num_plans_published += 1
         self.metrics.plans.inc()
-        logger.info("published plan %s: %s, changing nodes %s%s", plan.plan_id, plan.instances_by_tp,
-                    sorted(changed), f" in {len(waves)} waves" if len(waves) > 1 else "")
+        shape = plan.instances_by_model or plan.instances_by_tp
+        logger.info("published plan %s: %s, changing nodes %s%s", plan.plan_id, shape, sorted(changed),
+                    f" in {len(waves)} waves" if len(waves) > 1 else "")
         if waves:
             await self._publish_wave(awaited)
             return
@@ -456,16 +582,53 @@ def planning_profile(settings: ReconfiguratorSettings) -> str | None:
     return str(calibration.profile_path) if calibration is not None else None
 
 
+def planning_profiles(settings: ReconfiguratorSettings) -> dict[str, str | None]:
+    """Each served model's planning profile (model name -> path; None: uncalibrated), first first:
+    ``DLS_RECONFIGURATOR_PROFILE`` for every one when set, else each model's calibration's
+    (``DLS_CALIBRATION_DIR`` is the first model's, as every service reads it; ``CalibrationMismatch``
+    when a bundle was made for other weights). ``ValueError`` when two directories share a name."""
+    profiles: dict[str, str | None] = {}  # model name -> its profile's path
+    for i, model_dir in enumerate(settings.served_model_dirs):
+        name = Path(model_dir).name
+        if name in profiles:
+            raise ValueError(f"DLS_RECONFIGURATOR_MODEL_DIRS: two directories serve the model name {name!r} (a "
+                             "model's name is its directory's basename)")
+        if settings.profile:
+            profiles[name] = settings.profile
+            continue
+        calibration = find(model_dir, (settings.calibration_dir or None) if i == 0 else None)
+        profiles[name] = str(calibration.profile_path) if calibration is not None else None
+    return profiles
+
+
+def loaded_profiles(settings: ReconfiguratorSettings) -> LatencyProfile | dict[str, LatencyProfile] | None:
+    """What the service plans with: one model's profile, or (several models) model name -> profile;
+    None when a served model is uncalibrated (said): with no profile of its own, a model can be neither
+    planned nor divided from (another model's numbers would mislead), so the service makes no plans."""
+    if len(settings.served_model_dirs) == 1:
+        path = planning_profile(settings)
+        if path is None:  # uncalibrated: no profile of this model to plan with, and another model's would mislead
+            logger.warning("%s; the reconfigurator makes no plans for it (the cluster keeps the shape it started "
+                           "with)", uncalibrated_message(settings.model_dir))
+            return None
+        return LatencyProfile.load(path)
+    paths = planning_profiles(settings)
+    uncalibrated = [d for d, path in zip(settings.served_model_dirs, paths.values(), strict=True) if path is None]
+    for model_dir in uncalibrated:
+        logger.warning("%s; the reconfigurator makes no plans while any served model is uncalibrated: the GPUs stay "
+                       "divided as they started (or set DLS_RECONFIGURATOR_PROFILE to plan every model with one "
+                       "profile)", uncalibrated_message(model_dir))
+    return None if uncalibrated else {name: LatencyProfile.load(path) for name, path in paths.items()}
+
+
 async def serve(settings: ReconfiguratorSettings) -> None:
     """Run until SIGTERM or SIGINT."""
 
-    path = planning_profile(settings)  # bad files fail first
-    if path is None:  # uncalibrated: no profile of this model to plan with, and another model's would mislead
-        logger.warning("%s; the reconfigurator makes no plans for it (the cluster keeps the shape it started with)",
-                       uncalibrated_message(settings.model_dir))
+    profiles = loaded_profiles(settings)  # bad files fail first
+    if profiles is None:
         await on_stop_signals().wait()
         return
-    service = ReconfiguratorService(settings, None, LatencyProfile.load(path))
+    service = ReconfiguratorService(settings, None, profiles)
     setup_tracing("dls-reconfigurator", settings)
     serve_metrics(service.metrics.registry, settings.metrics_port, settings.metrics_host)
     nc = await connect_nats(settings, "dls-reconfigurator")

@@ -79,12 +79,14 @@ class WorkerHeartbeat(Message, kw_only=True):
 
 
 class Arrival(Part, kw_only=True):
-    """One request arrival; mirrors ``services.reconfigurator.core.monitor.ArrivalEvent``."""
+    """One request arrival; mirrors ``services.reconfigurator.core.monitor.ArrivalEvent`` plus the
+    model, which picks the workload monitor the event goes to (one per served model)."""
 
     time_s: float  # unix time (s) of arrival
     prompt_tokens: int  # prompt length
     output_tokens: int  # requested generation length
     slo_s: float | None = None  # the request's latency SLO, when it has its own
+    model: str = ""  # the model the request names; "": none named (counted as the first served model's)
 
 
 class WorkloadStats(Message, kw_only=True):

@@ -49,10 +49,15 @@ def fields(struct: type[msgspec.Struct]) -> set[str]:
     (StepPrediction, PREDICTOR, "StepPrediction"),
     (ConfidenceStats, ENGINE, "ConfidenceStats"),
     (NodePlan, PLAN, "NodePlan"),
-    (Arrival, MONITOR, "ArrivalEvent"),
 ], ids=lambda v: getattr(v, "__name__", None) or str(v)[-20:])
 def test_same_fields_as_the_core(struct, path, core):
     assert fields(struct) == core_fields(path, core)
+
+
+def test_arrival_is_the_monitors_event_plus_its_model():
+    # A workload monitor is one model's: the core takes the model beside the event
+    # (ModelsReconfigurator.observe(event, model)) to pick the monitor, so the event itself has none.
+    assert fields(Arrival) == core_fields(MONITOR, "ArrivalEvent") | {"model"}
 
 
 def test_step_result_has_the_engine_fields_plus_block_done_the_state_version_and_the_answer_length():
