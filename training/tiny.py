@@ -284,8 +284,26 @@ class Trainer:
 
     def _initial_model(self) -> DLMForMaskedDiffusion:
         if self.cfg.init_from and not self.checkpoint_path.exists():
-            return DLMForMaskedDiffusion.from_pretrained(self.cfg.init_from)
+            source = DLMForMaskedDiffusion.from_pretrained(self.cfg.init_from)
+            if self.cfg.n_layers >= source.config.n_layers:
+                return source  # the source's shape, as it always was
+            return self._first_layers_of(source)
         return DLMForMaskedDiffusion(self._model_config())
+
+    def _first_layers_of(self, source: DLMForMaskedDiffusion) -> DLMForMaskedDiffusion:
+        """A smaller model (``n_layers`` below the source's) that starts from the source's embedding,
+        its first ``n_layers`` blocks, its final norm and its head: a shallower sibling of a trained
+        model, another size (another profile) to serve beside it."""
+        config = self._model_config()
+        mine, theirs = (config.d_model, config.n_heads, config.mlp_hidden_size), (
+            source.config.d_model, source.config.n_heads, source.config.mlp_hidden_size)
+        if mine != theirs:
+            raise ValueError(f"init_from: {self.cfg.init_from} has d_model, n_heads, mlp_hidden_size {theirs}; "
+                             f"keeping its first {self.cfg.n_layers} layers needs the same, got {mine}")
+        model = DLMForMaskedDiffusion(config)
+        wanted = model.state_dict()
+        model.load_state_dict({k: v for k, v in source.state_dict().items() if k in wanted})  # strict
+        return model
 
     def _task_generator(self, seed: int) -> TaskGenerator:
         share = self.cfg.add_share

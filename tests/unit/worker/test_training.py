@@ -19,10 +19,10 @@ from training.tiny import (
 
 
 def _tiny(tmp_path, steps: int, **overrides) -> TrainConfig:
+    shape = {"d_model": 32, "n_layers": 2, "n_heads": 4, "mlp_hidden_size": 64, **overrides}
     return TrainConfig(
         output_dir=str(tmp_path / "model"), checkpoint_dir=str(tmp_path / "ckpt"), steps=steps, batch_size=4,
-        d_model=32, n_layers=2, n_heads=4, mlp_hidden_size=64, eval_every=2, eval_problems=2, save_every=2,
-        warmup_steps=1, **overrides,
+        eval_every=2, eval_problems=2, save_every=2, warmup_steps=1, **shape,
     )
 
 
@@ -44,6 +44,19 @@ def test_init_from_starts_with_the_given_weights(tmp_path):
     trainer = Trainer(_tiny(other, steps=2, init_from=str(tmp_path / "model")))
     shipped = load_model(tmp_path / "model").model
     assert torch.equal(trainer.model.model.transformer.wte.weight, shipped.model.transformer.wte.weight)
+
+
+def test_init_from_a_deeper_model_keeps_its_first_layers(tmp_path):
+    Trainer(_tiny(tmp_path / "deep", steps=1, n_layers=3)).run(log=lambda _: None)
+    deep = load_model(tmp_path / "deep" / "model").model.state_dict()
+    shallow = Trainer(_tiny(tmp_path / "shallow", steps=1, n_layers=2, init_from=str(tmp_path / "deep" / "model")))
+    assert shallow.model.config.n_layers == 2
+    kept = shallow.model.state_dict()
+    assert not any(".blocks.2." in k for k in kept)
+    assert all(torch.equal(v, deep[k]) for k, v in kept.items())  # the embedding, blocks 0-1, norm and head
+    wider = _tiny(tmp_path / "wide", steps=1, n_layers=2, d_model=64, init_from=str(tmp_path / "deep" / "model"))
+    with pytest.raises(ValueError, match="d_model"):
+        Trainer(wider)
 
 
 def test_loss_only_counts_masked_answer_positions():
