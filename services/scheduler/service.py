@@ -455,7 +455,8 @@ class SchedulerService:
                 deadline=stored.deadline,
             ))
             self._window_arrivals.append(Arrival(time_s=stored.arrival_time, prompt_tokens=len(stored.prompt_token_ids),
-                                                 output_tokens=stored.gen_length, slo_s=stored.slo_ms / 1000.0))
+                                                 output_tokens=stored.gen_length, slo_s=stored.slo_ms / 1000.0,
+                                                 model=stored.model))
             requests.append(self._track(stored))
             self.metrics.prompt_tokens.labels(stored.model or self.model_name).inc(len(stored.prompt_token_ids))
         self._carry_out(self.core.on_arrivals(now, requests))
