@@ -58,6 +58,13 @@ def improvement_decision(
     if candidate.shape() == current.shape():
         return TriggerDecision(False, "the cluster already has this shape")
     if current.objective is None:
+        if candidate.objective is None and isinstance(candidate, DivisionPlan):
+            moved = _moved_share(candidate, current)
+            if moved < margin:
+                # in overload every round's fallback division differs by an instance or two: moving
+                # them buys nothing and costs each one its switch time
+                return TriggerDecision(False, f"neither division serves the workload, and the new one moves "
+                                              f"{moved:.0%} of the GPUs (< {margin:.0%})")
         return TriggerDecision(True, current.fallback_reason or "the current shape cannot serve the workload")
     if candidate.objective is None:
         return TriggerDecision(False, "Stage 1 found no plan, but the current shape serves the workload")
@@ -82,6 +89,13 @@ def improvement_decision(
     return TriggerDecision(
         False, f"gain below {margin:.0%}: average threshold {quality_gain:+.1%}, SLO slack {slack_gain:+.1%}"
     )
+
+
+def _moved_share(candidate: DivisionPlan, current: DivisionPlan) -> float:
+    """The share of the GPUs in use that a division moves from one model to another."""
+    new, old = candidate.gpus_by_model, current.gpus_by_model
+    moved = sum(abs(new.get(m, 0) - old.get(m, 0)) for m in set(new) | set(old)) / 2
+    return moved / max(1, max(candidate.num_gpus_used, current.num_gpus_used))
 
 
 def _relative_gain(new: float, old: float) -> float:

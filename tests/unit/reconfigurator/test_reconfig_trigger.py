@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.reconfigurator.core.plan import CapacityPlan, Objective
+from services.reconfigurator.core.plan import CapacityPlan, DivisionPlan, Objective
 from services.reconfigurator.core.trigger import PlanState, ReconfigTrigger, improvement_decision
 
 
@@ -86,3 +86,20 @@ def test_rejected_candidate_does_not_block():
     trigger = ReconfigTrigger(clock)
     assert not trigger.consider("plan-1", capacity({1: 16}, 0.71), capacity({4: 4}, 0.7)).apply
     assert trigger.in_flight() is None
+
+
+def division(gpus_a: int, gpus_b: int, feasible: bool) -> DivisionPlan:
+    plans = {"a": capacity({1: gpus_a}, 0.9 if feasible else None), "b": capacity({1: gpus_b}, 0.9 if feasible else None)}
+    return DivisionPlan(plans, Objective(0.9, 0.5) if feasible else None, {}, fallback_reason=None if feasible else "x")
+
+
+def test_between_two_overloaded_divisions_only_a_material_move_applies():
+    # an instance or two from round to round: not worth their switch time
+    small = improvement_decision(division(27, 5, False), division(26, 6, False), margin=0.10)
+    assert not small.apply and "moves 3% of the GPUs" in small.reason
+    # the mix flipped: most of the GPUs move
+    flipped = improvement_decision(division(7, 25, False), division(26, 6, False), margin=0.10)
+    assert flipped.apply
+    # a division that serves the workload replaces one that does not, however little it moves
+    served = improvement_decision(division(26, 6, True), division(27, 5, False), margin=0.10)
+    assert served.apply
