@@ -161,7 +161,30 @@ class ModelsReconfigurator:
         outcome = plan_models(demands, cluster, running_models, next(self.plan_ids), self.planner_options)
         decision = self.trigger.consider(outcome.plan_id, outcome.division, outcome.current,
                                           gains_wait_reason(list(self._monitors.values())))
-        return ModelsRound(decision, outcome)
+        return ModelsRound(self._cold_start(decision, outcome, self._unserved(demands, running_models)), outcome)
+
+    def models_to_start(self, running_models: Mapping[Instance, str]) -> list[str]:
+        """Models with arrivals in the window and no running instance (``running_models``: the model of
+        each): scaled to zero (or their instances lost), their requests wait for a division that starts
+        one, so a service plans at once rather than at its next period."""
+        return self._unserved(self.demands(), running_models)
+
+    @staticmethod
+    def _unserved(demands: Sequence[ModelDemand], running_models: Mapping[Instance, str]) -> list[str]:
+        running = set(running_models.values())
+        return [d.name for d in demands if d.has_load and d.name not in running]
+
+    def _cold_start(self, decision: TriggerDecision, outcome: ModelsOutcome, unserved: list[str]) -> TriggerDecision:
+        """``decision``, unless it keeps the shape while the division starts a model that has arrivals and
+        no instance: that one is applied whatever the margin rule says (in overload, a division differing
+        by an instance or two is otherwise kept out), since the model's requests wait for it."""
+        by_model = outcome.division.instances_by_model_tp
+        started = [m for m in unserved if sum(by_model.get(m, {}).values()) > 0]
+        if decision.apply or not started:
+            return decision
+        self.trigger.issue(outcome.plan_id)
+        return TriggerDecision(True, f"{', '.join(started)}: arrivals and no instance, and the division starts one "
+                                     f"(a cold start, applied although {decision.reason})")
 
     def acknowledge(self, plan_id: str) -> bool:
         return self.trigger.acknowledge(plan_id)
