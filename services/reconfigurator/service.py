@@ -30,6 +30,14 @@ every model's keep, stop and start slots, each slot naming its model (the node a
 stop before any start), ``instances_by_model`` each model's shape and ``instances_by_tp`` their sum.
 Rolling waves, acks and the one-plan-in-flight rule are as with one model. The operator path names
 no model, so with several models it is refused.
+
+Scale from zero (several models): a model kept at 0 instances with no load gets requests again when
+the gateway admits them (a cold start) and the scheduler queues them. When ``stats`` carry arrivals
+of a served model that has no running (STARTING or READY) instance, the service plans at once (an
+out-of-period step, ``_plan_now``) rather than at its next period; so it does when a plan completes
+while such a model is still waiting (its arrivals came while that plan was in flight). The core
+applies a division that starts the model whatever the margin rule says
+(``ModelsReconfigurator.models_to_start``).
 """
 
 from __future__ import annotations
@@ -281,6 +289,8 @@ class ReconfiguratorService:
         self._warned: set[str] = set()  # instance ids already warned about
         self._subscriptions: list = []
         self._tasks: list[asyncio.Task] = []
+        self._out_of_period: asyncio.Task | None = None  # a step for a model to start, pending or running
+        self.num_out_of_period_steps = 0
         self.metrics = ReconfiguratorMetrics()
         self._tracer = tracer("dls.reconfigurator")
 
@@ -317,9 +327,10 @@ class ReconfiguratorService:
             f"{d.name} (switch {d.switch_s:g} s, at least {d.min_instances})" for d in demands)
 
     async def stop(self) -> None:
-        for task in self._tasks:
+        tasks = [*self._tasks, *([self._out_of_period] if self._out_of_period else [])]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         for subscription in self._subscriptions:
             await subscription.unsubscribe()
         self._subscriptions.clear()
@@ -351,9 +362,39 @@ class ReconfiguratorService:
         self.num_arrivals += len(events)
         if self._held_arrivals is not None:  # the core is stepping in a thread: feed them afterwards
             self._held_arrivals.extend(events)
+        else:
+            for event, model in events:
+                self.core.observe(event, model)  # one model: the model is not looked at
+        self._start_models_now({model for _, model in events})
+
+    def _start_models_now(self, arrived: set[str] | None = None) -> None:
+        """Plan now (not at the next period) when a served model has arrivals (``arrived``: the models of
+        the stats just received; None: those the core has in its window) and no running instance: its
+        requests wait for one (scale from zero)."""
+        if not self.models:
             return
-        for event, model in events:
-            self.core.observe(event, model)  # one model: the model is not looked at
+        running_models = self.configuration()[1]
+        if arrived is None:
+            if self._held_arrivals is not None:
+                return  # a step is running, and plans with them
+            arrived = set(self.core.models_to_start(running_models))
+        waiting = sorted(arrived & set(self.models) - set(running_models.values()))
+        if waiting:
+            self._plan_now(f"{', '.join(waiting)}: arrivals and no running instance")
+
+    def _plan_now(self, why: str) -> None:
+        """One out-of-period step, unless one is pending already (it sees every arrival held so far)."""
+        if self._out_of_period is not None and not self._out_of_period.done():
+            return
+        self.num_out_of_period_steps += 1
+        logger.info("planning now, out of period: %s", why)
+        self._out_of_period = asyncio.create_task(self._step_logged(), name="reconfigure-now")
+
+    async def _step_logged(self) -> None:
+        try:
+            await self.step()
+        except Exception:  # noqa: BLE001 (as a periodic step: the next trigger retries)
+            logger.exception("out-of-period reconfiguration step failed")
 
     async def _on_heartbeat(self, msg) -> None:
         beat = self._decode(WorkerHeartbeat, msg.data)
@@ -388,6 +429,7 @@ class ReconfiguratorService:
         self.num_plans_completed += 1
         outcome = {node: status.name for node, status in sorted(awaited.node_to_status.items())}
         logger.info("plan %s answered by every node it changes: %s", awaited.plan_id, outcome or "nothing to do")
+        self._start_models_now()  # arrivals of a model to start that came while this plan was in flight
 
     # --- the configuration -----------------------------------------------------------------------
 
