@@ -137,6 +137,12 @@ class GatewaySettings(ServesModels, ServiceSettings):
                                     "400 naming cache", gt=0)
     request_timeout_s: float = _own("gateway", "request_timeout_s", 300.0,
                                     "give up waiting for a request's final event after this long", gt=0)
+    cold_start_timeout_s: float = _own("gateway", "cold_start_timeout_s", 180.0,
+                                       "a request for a served model with no READY instance, while a worker of "
+                                       "another served model is READY (the model scaled to zero), is admitted and "
+                                       "waits this long for one of its instances to be READY (a cold start), then "
+                                       "gets a 503 naming the model; 0: such a request gets the 503 at once",
+                                       ge=0)
     model_dir: str = _model_dir("gateway", "served model's directory (tokenizer, config, calibration); its basename "
                                            "is the model name")
     model_dirs: str = _model_dirs("gateway")

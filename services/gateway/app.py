@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 import anyio
@@ -20,6 +20,7 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import Histogram
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.gateway.answers import (
@@ -85,6 +86,9 @@ logger = logging.getLogger(__name__)
 CANCEL_WAIT_S = 2.0  # most time spent publishing a cancellation for a client that left
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away first" (never seen by it)
 MAX_REQUEST_ID_CHARS = 200
+COLD_START_HEADER = "X-DLS-Cold-Start-Ms"  # how long a request waited for its model's first instance
+COLD_START_POLL_S = 0.1  # how often a cold start looks for a READY instance among the heartbeats heard
+COLD_START_BUCKETS_S = (1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 90.0, 120.0, 180.0, 300.0, 600.0)
 
 
 class ChoiceEvents:
@@ -99,13 +103,18 @@ class ChoiceEvents:
         self._num_open = len(streams)  # choices without their terminal event yet
         self._release = release
         self._closed = False
+        self.settled = False  # a choice's terminal event, or the error that ended its stream, is waiting
 
     def __aiter__(self) -> ChoiceEvents:
         return self
 
-    async def __anext__(self) -> tuple[int, RequestEvent]:
+    def start(self) -> None:
+        """Submit (or follow) every choice now; their events wait here until read."""
         if self._tasks is None:
             self._tasks = [asyncio.ensure_future(self._pump(i, s)) for i, s in enumerate(self._streams)]
+
+    async def __anext__(self) -> tuple[int, RequestEvent]:
+        self.start()
         if self._num_open == 0:
             raise StopAsyncIteration
         index, item = await self._queue.get()  # cancel-safe: a timeout around it loses nothing
@@ -120,10 +129,12 @@ class ChoiceEvents:
             async for event in stream:
                 self._queue.put_nowait((index, event))
                 if is_terminal(event):
+                    self.settled = True
                     return
             self._queue.put_nowait((index, StopAsyncIteration()))
         except Exception as exc:  # noqa: BLE001 (handed to the reader, who turns it into a status)
             self._queue.put_nowait((index, exc))
+        self.settled = True
 
     async def aclose(self) -> None:
         if self._closed:
@@ -157,12 +168,17 @@ class Gateway:
         self.admission = Admission(settings.max_in_flight, settings.retry_after_s)
         self.idempotency = idempotency or InMemoryIdempotency()  # retry keys (see idempotency.py)
         self.metrics = metrics or GatewayMetrics()
+        # NOTE: its home is GatewayMetrics (shared/metrics.py); registered here on the same registry until then
+        self.cold_start_seconds = Histogram(
+            "dls_gateway_cold_start_seconds", "how long requests for a model scaled to zero waited for its first "
+            "READY instance (the cold start; DLS_GATEWAY_COLD_START_TIMEOUT_S)", ["model_name", "outcome"],
+            buckets=COLD_START_BUCKETS_S, registry=self.metrics.registry)
         self._grace_tasks: set[asyncio.Task] = set()  # requests whose client left, waiting for a retry
 
     # --- completions --------------------------------------------------------------------------
 
     async def complete(self, body: CompletionBody | ChatCompletionBody, request: Request) -> Response:
-        self._refuse_without_workers(body.model)
+        cold = self._cold_start(body.model)  # or a 503 at once
         if self.rate_limiter is not None:
             await self.rate_limiter.check(rate_identity(request))
         self.admission.enter()  # 429 when this gateway holds max_in_flight requests already
@@ -190,8 +206,11 @@ class Gateway:
         if joined is not None:
             self.metrics.idempotent_joins.inc()
             headers["Idempotent-Replayed"] = "true"
-        return await self._unless_client_leaves(request, prepared, key,
-                                                answer(prepared, events, deadline, key, headers))
+        def answered():
+            return answer(prepared, events, deadline, key, headers)
+
+        work = self._after_cold_start(prepared, events, key, headers, answered) if cold else answered()
+        return await self._unless_client_leaves(request, prepared, key, work)
 
     async def _retry_key(self, body, request: Request,
                          prepared: PreparedRequest) -> tuple[RetryKey | None, PreparedRequest | None]:
@@ -453,16 +472,64 @@ class Gateway:
         elapsed = max(time.time() - prepared.request.arrival_time, 0.0)
         self.metrics.e2e.labels(prepared.model.name).observe(elapsed)
 
-    def _refuse_without_workers(self, model: str) -> None:
-        """503 with Retry-After, at once, when no READY instance of the requested model is alive (nothing is
-        queued for workers that are not there; the bus says None while it cannot tell yet). A model not
-        served goes on to its 404."""
+    def _cold_start(self, model: str) -> bool:
+        """Whether a request for ``model`` waits for its first instance (a cold start, ``_after_cold_start``).
+
+        A served model with no READY instance is scaled to zero while a worker of another served model is
+        READY (the cluster serves, so its scheduler queues the request, and the reconfigurator starts an
+        instance on its arrival): its request is admitted. With no READY worker of any served model (the
+        cluster is down or still starting), or cold starts off (``cold_start_timeout_s`` 0), it gets a 503
+        with Retry-After at once. False where an instance is up, the bus cannot tell yet (None: the
+        scheduler decides), or the model is not served (its 404 follows)."""
         workers = self.bus.ready_workers()
-        if workers is None or model not in self.preparer.catalogue or any(hb.model == model for hb in workers):
-            return
-        raise ApiError(503, f"no model instance serving {model} is up; retry after "
+        catalogue = self.preparer.catalogue
+        if workers is None or model not in catalogue or any(hb.model == model for hb in workers):
+            return False
+        serving = any(hb.model in catalogue for hb in workers)
+        if serving and self.settings.cold_start_timeout_s > 0:
+            return True
+        why = ("DLS_GATEWAY_COLD_START_TIMEOUT_S is 0: no cold start" if serving else
+               "nor one of any served model: the cluster is not serving")
+        raise ApiError(503, f"no model instance serving {model} is up ({why}); retry after "
                        f"{self.settings.retry_after_s} s", None, "no_instance", SERVER_ERROR,
                        {"Retry-After": str(self.settings.retry_after_s)})
+
+    async def _after_cold_start(self, prepared: PreparedRequest, events: ChoiceEvents, key: RetryKey | None,
+                                headers: dict[str, str], answered: Callable[[], Awaitable[Response]]) -> Response:
+        """A request for a model scaled to zero: submitted at once (the scheduler queues it, and its arrival in
+        the workload stats makes the reconfigurator start an instance), answered (``answered``) once an
+        instance of its model is READY (a stream opens then), with the wait in ``COLD_START_HEADER``, the
+        log and ``dls_gateway_cold_start_seconds``. Past ``cold_start_timeout_s`` it is cancelled and a
+        503 names the model and the wait. A choice that ends first (refused, failed) is answered at once.
+        The request's deadline (``request_timeout_s``) counts from its arrival, the wait included."""
+        model, limit = prepared.model.name, self.settings.cold_start_timeout_s
+        started = time.monotonic()
+        events.start()
+        try:
+            async with asyncio.timeout(limit):
+                while not events.settled and not self._instance_ready(model):
+                    await asyncio.sleep(COLD_START_POLL_S)
+        except TimeoutError:
+            await events.aclose()
+            self.cold_start_seconds.labels(model, "timed_out").observe(time.monotonic() - started)
+            await self._abandon(prepared, key, f"no instance of {model} was READY within the cold start's {limit:g} s")
+            raise ApiError(503, f"request {prepared.response_id}: {model} is scaled to zero, and no instance of it "
+                           f"was READY within {limit:g} s of the request (DLS_GATEWAY_COLD_START_TIMEOUT_S); it is "
+                           f"cancelled: retry after {self.settings.retry_after_s} s", None, "cold_start_timeout",
+                           SERVER_ERROR, {"Retry-After": str(self.settings.retry_after_s)}) from None
+        except BaseException:
+            await events.aclose()
+            raise
+        waited = time.monotonic() - started
+        outcome = "served" if self._instance_ready(model) else "ended"  # ended: refused or failed while it waited
+        self.cold_start_seconds.labels(model, outcome).observe(waited)
+        headers[COLD_START_HEADER] = str(round(waited * 1000))
+        logger.info("request %s waited %.1f s for an instance of %s (a cold start)", prepared.response_id, waited,
+                    model)
+        return await answered()
+
+    def _instance_ready(self, model: str) -> bool:
+        return any(hb.model == model for hb in self.bus.ready_workers() or ())
 
     # --- state and health ---------------------------------------------------------------------
 
@@ -496,7 +563,7 @@ class Gateway:
         served = {model.name for model in self.preparer.catalogue.models}
         ready = [hb for hb in state.workers if hb.status == WorkerStatus.READY and hb.model in served]
         # ready = this process can serve: NATS and Redis. Workers are the cluster's business: without
-        # them the gateway still answers, with 503 + Retry-After (see _refuse_without_workers)
+        # them the gateway still answers, with 503 + Retry-After (see _cold_start)
         missing = [name for name, ok in (("nats", state.nats_connected), ("redis", state.redis_ok)) if not ok]
         detail = dict(state.detail)
         if not ready:

@@ -60,7 +60,8 @@ def test_a_request_goes_to_the_model_it_names_and_an_unknown_one_is_a_404_listin
 
 
 def test_a_model_without_a_ready_instance_is_refused_and_the_other_still_served(second_model):
-    test_client, bus = two_models(second_model)  # dls-second only starting
+    # cold starts off: a model without a READY instance is refused at once (with them: test_gateway_cold_start)
+    test_client, bus = two_models(second_model, cold_start_timeout_s=0)  # dls-second only starting
     response = test_client.post("/v1/completions", json={"model": "dls-second", "prompt": "@b="})
     assert response.status_code == 503 and "dls-second" in response.json()["error"]["message"]
     assert response.headers["Retry-After"]
