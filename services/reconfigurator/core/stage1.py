@@ -802,8 +802,9 @@ def fallback_plan(inputs: Stage1Inputs, reason: str) -> CapacityPlan:
 
 def _joint_fallback(joint: _JointInputs, reason: str) -> DivisionPlan:
     """One model: every GPU as its smallest degree (``fallback_plan``). Several: each model with load
-    at its smallest degree, largest batch, instances handed out one at a time to the model furthest
-    below its share of the GPUs (shares in proportion to ``_gpus_needed``) while they fit."""
+    at its smallest degree, largest batch: one instance each (a model with little load among heavy
+    ones is not starved), then instances handed out one at a time to the model furthest below its
+    share of the GPUs (shares in proportion to ``_gpus_needed``) while they fit."""
     if len(joint.models) == 1:
         plan = fallback_plan(joint.inputs[0], reason)
         return joint.division({joint.models[0].name: plan}, None, plan.fallback_reason)
@@ -812,6 +813,10 @@ def _joint_fallback(joint: _JointInputs, reason: str) -> DivisionPlan:
     need = {k: max(_gpus_needed(joint.inputs[k], 1.0), 1e-9) for k in loaded}
     total_need = sum(need.values())
     smallest = {k: joint.inputs[k].tp_degrees[0] for k in loaded}
+    for k in sorted(loaded, key=lambda k: -need[k]):  # every model with load serves: one instance first
+        key = (k, smallest[k])
+        if counts.get(key, 0) == 0 and joint.fits({**counts, key: 1}):
+            counts[key] = 1
     while True:
         def deficit(k: int) -> float:
             return need[k] / total_need - smallest[k] * counts.get((k, smallest[k]), 0) / joint.num_gpus

@@ -177,6 +177,15 @@ def test_overload_falls_back_with_each_model_at_its_smallest_degree():
     assert by_model["a"][1] / by_model["b"][1] == pytest.approx(3.0, rel=0.2)
 
 
+def test_overload_starves_no_model_with_load():
+    heavy = ModelDemand("heavy", example_at(3000), example_profile())
+    light = ModelDemand("light", example_at(10), example_profile(), min_instances=0)
+    division = divide_gpus((heavy, light), cluster64())
+    assert not division.feasible
+    assert division.instances_by_model_tp["light"][1] >= 1
+    assert division.num_gpus_used == 64
+
+
 def test_names_must_differ_and_no_model_is_refused():
     model = ModelDemand("m", example_at(1), example_profile())
     with pytest.raises(ValueError, match="distinct"):
