@@ -28,14 +28,19 @@ Names (``docs/architecture.md``, "Observability"):
   ``dls_num_requests_waiting``; worker ``dls_tokens_per_forward``; gateway (what HTTP clients see)
   ``dls_gateway_time_to_first_token_seconds``, ``dls_gateway_inter_token_latency_seconds``,
   ``dls_gateway_e2e_request_latency_seconds``;
-- gateway: ``dls_gateway_http_requests_total{route,status}``, ``dls_gateway_http_request_seconds{route}``;
+- gateway: ``dls_gateway_http_requests_total{route,status}``, ``dls_gateway_http_request_seconds{route}``,
+  ``dls_gateway_cold_start_seconds{model_name,outcome}``;
 - predictor: ``dls_predictor_queries_total``, ``dls_predictor_batch_size``, ``dls_predictor_live_error``,
   ``dls_predictor_served_error``, ``dls_predictor_served_requests_total{outcome}``,
   ``dls_predictor_retrains_total{outcome}``, ``dls_predictor_retrain_error{model}``,
   ``dls_predictor_retrain_rows{split}``, ``dls_predictor_retrain_seconds``,
-  ``dls_predictor_retrain_window_rows``; reconfigurator:
-  ``dls_reconfigurator_plans_total``; node agent: ``dls_node_agent_workers``,
-  ``dls_node_agent_restarts_total``; all: ``dls_malformed_messages_total{subject}``.
+  ``dls_predictor_retrain_window_rows``, and per served model (label ``model``) ``dls_predictor_model_info{kind}``,
+  ``dls_predictor_model_queries_total``, ``dls_predictor_model_live_error``,
+  ``dls_predictor_model_retrain_window_rows``, ``dls_predictor_model_retrains_total{outcome}``; reconfigurator:
+  ``dls_reconfigurator_plans_total``, ``dls_reconfigurator_planned_gpus{model}``; node agent:
+  ``dls_node_agent_workers``, ``dls_node_agent_model_workers{model}``, ``dls_node_agent_restarts_total``,
+  ``dls_node_agent_hung_workers_total``, ``dls_node_agent_switch_seconds{model}``; all:
+  ``dls_malformed_messages_total{subject}``.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ from prometheus_client import (
     Counter,
     Gauge,
     Histogram,
+    Info,
     generate_latest,
 )
 from prometheus_client.exposition import MetricsHandler
@@ -74,6 +80,8 @@ ITL_BUCKETS_S = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 
 E2E_BUCKETS_S = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                  480.0, 960.0, 1920.0, 7680.0)
 TOKENS_PER_FORWARD_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128)
+# a scaled-to-zero model's wait for its first instance, and a slot's switch of model (an 8B model loads in 30-100 s)
+COLD_START_BUCKETS_S = (1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 90.0, 120.0, 180.0, 300.0, 600.0)
 MODEL_LABEL = "model_name"  # vLLM's label for the served model on every serving metric
 LOOP_STALL_S = 60.0  # /health fails once the service's event loop has not turned for this long
 
@@ -296,6 +304,11 @@ class GatewayMetrics:
                                         registry=r)
         self.abandoned = Counter("dls_gateway_abandoned_requests", "requests cancelled because their client "
                                  "left (disconnected or timed out) and no retry joined them", registry=r)
+        self.cold_start_seconds = Histogram(
+            "dls_gateway_cold_start_seconds", "how long requests for a model scaled to zero waited for its first "
+            "READY instance (the cold start; DLS_GATEWAY_COLD_START_TIMEOUT_S), by outcome (served; ended: refused "
+            "or failed while it waited; timed_out)", [MODEL_LABEL, "outcome"], buckets=COLD_START_BUCKETS_S,
+            registry=r)
 
 
 class PredictorMetrics:
@@ -315,7 +328,8 @@ class PredictorMetrics:
                                       buckets=ERROR_BUCKETS, registry=r)
         self.served_requests = Counter("dls_predictor_served_requests", "finished requests read back, by outcome "
                                        "(used; no_rows: no state ran at one threshold to the end; unusable: record "
-                                       "or steps missing or inconsistent)", ["outcome"], registry=r)
+                                       "or steps missing or inconsistent; not_served: of a model this predictor "
+                                       "does not serve)", ["outcome"], registry=r)
         self.window_rows = Gauge("dls_predictor_retrain_window_rows", "rows kept to retrain on", registry=r)
         self.retrains = Counter("dls_predictor_retrains", "retrains run, by outcome (swapped: the new model serves; "
                                 "kept: the serving one was as good; failed)", ["outcome"], registry=r)
@@ -325,13 +339,46 @@ class PredictorMetrics:
         self.retrain_rows = Gauge("dls_predictor_retrain_rows", "rows the last retrain trained on (train) and "
                                   "scored on (holdout)", ["split"], registry=r)
         self.retrain_seconds = Gauge("dls_predictor_retrain_seconds", "the last retrain's duration", registry=r)
+        self.by_model = PredictorModelMetrics(r)
+
+
+class PredictorModelMetrics:
+    """The predictor's series split by served model (label ``model``: the name queries and records use);
+    ``PredictorMetrics``' own series stay every model's together (a one-model service reads as before)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.version = Info("dls_predictor_model", "the version of each served model's predictor answering now, by "
+                            "kind (online, one_shot)", ["model", "kind"], registry=r)
+        self.queries = Counter("dls_predictor_model_queries", "queries answered, by the model they named", ["model"],
+                               registry=r)
+        self.live_error = Gauge("dls_predictor_model_live_error", "dls_predictor_live_error of one served model: "
+                                "the mean relative error of its serving predictor over its most recent rows",
+                                ["model"], registry=r)
+        self.window_rows = Gauge("dls_predictor_model_retrain_window_rows", "rows of one model's finished requests "
+                                 "kept to retrain its predictor on", ["model"], registry=r)
+        self.retrains = Counter("dls_predictor_model_retrains", "retrains of one model's predictor, by outcome "
+                                "(swapped, kept, failed)", ["model", "outcome"], registry=r)
+
+    def serving(self, model: str, one_shot: bool, version: str) -> None:
+        """The version now answering ``model``'s queries of one kind."""
+        self.version.labels(model=model, kind="one_shot" if one_shot else "online").info({"version": version})
 
 
 class ReconfiguratorMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = r = registry or CollectorRegistry()
         self.plans = Counter("dls_reconfigurator_plans", "plans published", registry=r)
+        self.planned_gpus = Gauge("dls_reconfigurator_planned_gpus", "GPUs the last published division gives each "
+                                  "served model (several models only)", ["model"], registry=r)
         self.malformed = _malformed(r)
+
+    def set_division(self, gpus_by_model: dict[str, int]) -> None:
+        """Planned GPUs per model (models planned before and left out now read 0)."""
+        for model in {s.labels["model"] for m in self.planned_gpus.collect() for s in m.samples} - set(gpus_by_model):
+            self.planned_gpus.labels(model=model).set(0)
+        for model, num_gpus in gpus_by_model.items():
+            self.planned_gpus.labels(model=model).set(num_gpus)
 
 
 class NodeAgentMetrics:
@@ -341,4 +388,11 @@ class NodeAgentMetrics:
         self.restarts = Counter("dls_node_agent_restarts", "workers restarted after exiting unasked", registry=r)
         self.hung = Counter("dls_node_agent_hung_workers", "workers killed as hung (silent, or a step that never "
                             "returns)", registry=r)
+        self.model_workers = Gauge("dls_node_agent_model_workers", "worker processes it manages, by the model they "
+                                   "serve", ["model"], registry=r)
+        self.switch_seconds = Histogram(
+            "dls_node_agent_switch_seconds", "a slot's switch of model made before break "
+            "(DLS_NODE_AGENT_OVERLAP_SWITCH), from the plan's decision to the outgoing instance stopped: the "
+            "incoming worker's load beside it, then the outgoing one's drain; by the incoming model",
+            ["model"], buckets=COLD_START_BUCKETS_S, registry=r)
         self.malformed = _malformed(r)

@@ -20,7 +20,6 @@ import msgspec
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import Histogram
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.gateway.answers import (
@@ -88,7 +87,6 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away first" (
 MAX_REQUEST_ID_CHARS = 200
 COLD_START_HEADER = "X-DLS-Cold-Start-Ms"  # how long a request waited for its model's first instance
 COLD_START_POLL_S = 0.1  # how often a cold start looks for a READY instance among the heartbeats heard
-COLD_START_BUCKETS_S = (1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 90.0, 120.0, 180.0, 300.0, 600.0)
 
 
 class ChoiceEvents:
@@ -168,11 +166,6 @@ class Gateway:
         self.admission = Admission(settings.max_in_flight, settings.retry_after_s)
         self.idempotency = idempotency or InMemoryIdempotency()  # retry keys (see idempotency.py)
         self.metrics = metrics or GatewayMetrics()
-        # NOTE: its home is GatewayMetrics (shared/metrics.py); registered here on the same registry until then
-        self.cold_start_seconds = Histogram(
-            "dls_gateway_cold_start_seconds", "how long requests for a model scaled to zero waited for its first "
-            "READY instance (the cold start; DLS_GATEWAY_COLD_START_TIMEOUT_S)", ["model_name", "outcome"],
-            buckets=COLD_START_BUCKETS_S, registry=self.metrics.registry)
         self._grace_tasks: set[asyncio.Task] = set()  # requests whose client left, waiting for a retry
 
     # --- completions --------------------------------------------------------------------------
@@ -511,7 +504,7 @@ class Gateway:
                     await asyncio.sleep(COLD_START_POLL_S)
         except TimeoutError:
             await events.aclose()
-            self.cold_start_seconds.labels(model, "timed_out").observe(time.monotonic() - started)
+            self.metrics.cold_start_seconds.labels(model, "timed_out").observe(time.monotonic() - started)
             await self._abandon(prepared, key, f"no instance of {model} was READY within the cold start's {limit:g} s")
             raise ApiError(503, f"request {prepared.response_id}: {model} is scaled to zero, and no instance of it "
                            f"was READY within {limit:g} s of the request (DLS_GATEWAY_COLD_START_TIMEOUT_S); it is "
@@ -522,7 +515,7 @@ class Gateway:
             raise
         waited = time.monotonic() - started
         outcome = "served" if self._instance_ready(model) else "ended"  # ended: refused or failed while it waited
-        self.cold_start_seconds.labels(model, outcome).observe(waited)
+        self.metrics.cold_start_seconds.labels(model, outcome).observe(waited)
         headers[COLD_START_HEADER] = str(round(waited * 1000))
         logger.info("request %s waited %.1f s for an instance of %s (a cold start)", prepared.response_id, waited,
                     model)

@@ -53,7 +53,6 @@ from services.predictor.core.retraining import (
     retrain,
 )
 from services.predictor.core.served import LabelledState, UnusableSteps, states_from_steps
-from services.predictor.metrics import ModelMetrics
 from services.predictor.models import (
     LoadedPredictor,
     ServedPredictor,
@@ -149,7 +148,6 @@ class PredictorService:
         self.num_malformed = 0  # payloads that did not decode as a PredictRequest
         self._subscription = None
         self.metrics = PredictorMetrics()
-        self.model_metrics = ModelMetrics(self.metrics.registry)
         self._tracer = tracer("dls.predictor")
         self.live = LiveError(max(settings.live_error_rows, 1))  # every model's rows (each has its own too)
         self.retrain_config = RetrainConfig(settings.retrain_window_rows, settings.retrain_min_rows,
@@ -184,7 +182,7 @@ class PredictorService:
 
     def _loaded(self, served: ServedPredictor, one_shot: bool) -> LoadedPredictor:
         if one_shot not in served.loaded:
-            self.model_metrics.serving(served.name, one_shot, served.predictor(one_shot).version)
+            self.metrics.by_model.serving(served.name, one_shot, served.predictor(one_shot).version)
         return served.predictor(one_shot)
 
     async def start(self) -> None:
@@ -261,7 +259,7 @@ class PredictorService:
         self.metrics.queries.inc(len(request.queries))
         self.metrics.batch_size.observe(len(request.queries))
         for served, positions, _ in groups:
-            self.model_metrics.queries.labels(model=served.name).inc(len(positions))
+            self.metrics.by_model.queries.labels(model=served.name).inc(len(positions))
         return PredictReply(predictions=[to_wire_prediction(p) for p in predictions],
                             model_version=reply_version(versions), model_versions=versions)
 
@@ -332,11 +330,11 @@ class PredictorService:
         for live in (self.live, served.live):
             live.observe(row_errors)
         self.metrics.live_error.set(self.live.mre)
-        self.model_metrics.live_error.labels(model=served.name).set(served.live.mre)
+        self.metrics.by_model.live_error.labels(model=served.name).set(served.live.mre)
         if self.settings.retrain:
             served.window.add(states)
             self.metrics.window_rows.set(sum(m.window.num_rows for m in self.models.values()))
-            self.model_metrics.window_rows.labels(model=served.name).set(served.window.num_rows)
+            self.metrics.by_model.window_rows.labels(model=served.name).set(served.window.num_rows)
         self.metrics.served_requests.labels(outcome="used").inc()
         return states
 
@@ -347,7 +345,7 @@ class PredictorService:
                 await self.retrain_once(model)
             except Exception:  # noqa: BLE001 (a failed retrain leaves the serving model; the next one may work)
                 self.metrics.retrains.labels(outcome="failed").inc()
-                self.model_metrics.retrains.labels(model=model, outcome="failed").inc()
+                self.metrics.by_model.retrains.labels(model=model, outcome="failed").inc()
                 logger.exception("retraining %s failed; its serving predictor stays", model)
 
     async def retrain_once(self, model: str = "") -> RetrainOutcome | None:
@@ -369,7 +367,7 @@ class PredictorService:
         if outcome.swapped:
             version = trained_version(outcome.model)
             served.loaded[False] = LoadedPredictor(InProcessPredictor(outcome.model), version)
-            self.model_metrics.serving(served.name, False, version)
+            self.metrics.by_model.serving(served.name, False, version)
             if self.settings.live_dir:
                 live_dir = Path(self.settings.live_dir)
                 await asyncio.to_thread(outcome.model.save, live_dir if len(self.models) == 1 else live_dir / served.name)
@@ -385,7 +383,7 @@ class PredictorService:
     def _record_retrain(self, model: str, outcome: RetrainOutcome, seconds: float) -> None:
         kind = "swapped" if outcome.swapped else "kept"
         self.metrics.retrains.labels(outcome=kind).inc()
-        self.model_metrics.retrains.labels(model=model, outcome=kind).inc()
+        self.metrics.by_model.retrains.labels(model=model, outcome=kind).inc()
         self.metrics.retrain_error.labels(model="old").set(outcome.old_error)
         self.metrics.retrain_error.labels(model="new").set(outcome.new_error)
         self.metrics.retrain_rows.labels(split="train").set(outcome.num_train_rows)

@@ -526,6 +526,8 @@ class ReconfiguratorService:
                                 division_summary(plan.division), division_summary(plan.current))
                 if self.settings.enabled:
                     await self._publish(wire, operator=False)
+                    if self.models and plan.division is not None:
+                        self.metrics.set_division({m: plan.division.gpus_by_model.get(m, 0) for m in self.models})
                 else:
                     # Observe only: nothing will acknowledge the plan, so free the core's in-flight slot now.
                     self.core.acknowledge(plan.plan_id)
