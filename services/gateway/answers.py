@@ -257,7 +257,9 @@ class StreamFormatter:
 
 def model_state(name: str, workers: Sequence[WorkerHeartbeat]) -> ModelState:
     """What a served model's live workers say: serving (one READY), starting (one loading), else scaled to
-    zero (none alive: a request gets 503 with Retry-After)."""
+    zero (none alive). A request for a model not serving waits for its first READY instance (while another
+    served model's worker is READY) up to DLS_GATEWAY_COLD_START_TIMEOUT_S, then gets 503
+    ``cold_start_timeout``; with nothing of any model READY, or that setting at 0, it gets 503 at once."""
     statuses = {hb.status for hb in workers if hb.model == name}
     if WorkerStatus.READY in statuses:
         return ModelState.SERVING

@@ -420,7 +420,9 @@ class ModelState(StrEnum):
 
     SERVING = "serving"  # a READY instance is alive
     STARTING = "starting"  # instances are loading, none READY yet
-    SCALED_TO_ZERO = "scaled_to_zero"  # no live instance: a request gets 503 with Retry-After
+    # no live instance: while another served model's instance is READY, a request waits for its first one (a
+    # cold start) up to DLS_GATEWAY_COLD_START_TIMEOUT_S, then gets 503 cold_start_timeout with Retry-After
+    SCALED_TO_ZERO = "scaled_to_zero"
 
 
 class ModelCard(BaseModel):
@@ -524,7 +526,9 @@ _STATUS_MEANINGS = {  # status -> when the gateway answers it (every error has t
     422: "an Idempotency-Key reused with another body or number of choices",
     429: "overloaded or rate-limited: retry after Retry-After",
     500: "an internal error (a bug: reported with its type, never a stack trace)",
-    503: "no model instance is up, or NATS / Redis cannot be reached: retry after Retry-After",
+    503: "no model instance is up (a model scaled to zero while another serves: none of it READY within "
+         "DLS_GATEWAY_COLD_START_TIMEOUT_S of the request, cold_start_timeout), or NATS / Redis cannot be "
+         "reached: retry after Retry-After",
     504: "no answer within DLS_GATEWAY_REQUEST_TIMEOUT_S (the request keeps its id: GET /v1/requests/{id})",
 }
 
