@@ -499,6 +499,13 @@ class NodeAgentSettings(ServesModels, ServiceSettings):
     hang_timeout_s: float = _own("node_agent", "hang_timeout_s", 30.0,
                                  "a READY worker silent for this long, or reporting a step computing for this long, "
                                  "is hung: killed and restarted", gt=0)
+    overlap_switch: Literal["auto", "on", "off"] = _own(
+        "node_agent", "overlap_switch", "auto",
+        "a plan's start of one model on GPUs where it stops another: on, the new worker loads beside the old one, "
+        "which serves until the new one is READY and is stopped then (make before break); off, the old one is "
+        "stopped first and the GPUs serve nothing while the new model loads; auto, on unless the workers run on "
+        "CUDA (DLS_WORKER_DEVICE). On CUDA both models' weights and both workers' KV pools must fit one GPU: on "
+        "needs DLS_WORKER_KV_BUDGET_BYTES")
 
     @model_validator(mode="after")
     def _gpus_from_count(self) -> NodeAgentSettings:

@@ -12,6 +12,10 @@
   agent does not serve fails that start), then a ``PlanAck`` on ``plans.ack``: APPLIED, PARTIAL (``detail`` says what
   failed) or FAILED, with the instance ids started and stopped. A plan that arrives while another is
   being applied is REJECTED.
+- Switches made before break (``overlap_switch``, ``switch_on``): a start on GPUs where a stop's worker serves
+  another model is spawned at once beside the workers it replaces (``replaced_by``), which serve on until it
+  is READY and are stopped then; if it does not come up they serve on, and the ack says so. Its time from
+  the plan to the replaced workers stopped is logged and observed (``dls_node_agent_switch_seconds``).
 - Restarts: a worker that exits without being asked is logged and started again on the same GPUs,
   under the same instance id (its heartbeat's ``started_at`` changes), after a back-off that doubles
   per consecutive crash (``restart_backoff_s`` up to ``restart_backoff_max_s``; reset once READY).
@@ -44,11 +48,11 @@ import signal
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from shared.devices import VISIBLE_DEVICES, DeviceError, pin
+from shared.devices import VISIBLE_DEVICES, DeviceError, is_cuda, pin
 from shared.messages import codec
 from shared.messages.control import (
     InstanceSlot,
@@ -68,6 +72,9 @@ from shared.telemetry import extract_context, setup_tracing, shutdown_tracing, t
 logger = logging.getLogger("dls.node_agent")
 
 WORKER_SCRAPE_TIMEOUT_S = 2.0  # a worker's /metrics slower than this is left out of the agent's scrape
+# the workers' settings the agent reads from the environment it passes them (WorkerSettings' variables)
+WORKER_DEVICE_ENV = "DLS_WORKER_DEVICE"
+WORKER_KV_BUDGET_ENV = "DLS_WORKER_KV_BUDGET_BYTES"
 
 
 class AgentError(ValueError):
@@ -164,6 +171,40 @@ def hang_problem(worker: Worker, now: float, timeout_s: float, start_timeout_s: 
     return None
 
 
+def switch_on(setting: str, worker_env: Mapping[str, str]) -> bool:
+    """Whether a plan's change of a slot's model is made before break (``DLS_NODE_AGENT_OVERLAP_SWITCH``),
+    for workers given ``worker_env``: ``auto`` is on unless they run on CUDA. On CUDA the incoming worker
+    loads while the outgoing one holds its weights and its KV pool, and a worker sizes its pool when it
+    starts (a share of the memory free then, unless ``DLS_WORKER_KV_BUDGET_BYTES`` caps it): ``on`` there
+    needs that budget set, ``AgentError`` otherwise."""
+    cuda = is_cuda(worker_env.get(WORKER_DEVICE_ENV, "cpu"))
+    if setting == "off" or (setting == "auto" and cuda):
+        return False
+    if cuda:
+        try:
+            budget = int(worker_env.get(WORKER_KV_BUDGET_ENV, "0") or 0)
+        except ValueError:
+            raise AgentError(f"{WORKER_KV_BUDGET_ENV}={worker_env[WORKER_KV_BUDGET_ENV]!r} is not a byte count") from None
+        if budget <= 0:
+            raise AgentError(f"DLS_NODE_AGENT_OVERLAP_SWITCH=on with CUDA workers ({WORKER_DEVICE_ENV}="
+                             f"{worker_env[WORKER_DEVICE_ENV]}) needs {WORKER_KV_BUDGET_ENV} set: two workers share a "
+                             f"GPU while a slot changes model, so both models' weights and two KV budgets must fit it "
+                             f"(each worker otherwise takes a share of the memory free when it starts)")
+    return True
+
+
+def replaced_by(slots: list[InstanceSlot], stopping: list[Worker], default_model: str) -> list[list[Worker]]:
+    """For each start slot, the stopping workers it replaces, made before break: those on its GPUs, when
+    any start on their GPUs serves another model than theirs (a slot that changes model). The others
+    (a slot that merely stops, or changes TP degree within one model) are stopped first."""
+    def overlaps(worker: Worker, slot: InstanceSlot) -> bool:
+        return not set(worker.gpu_ids).isdisjoint(slot.gpu_ids)
+
+    switched_ids = {w.instance_id for w in stopping for slot in slots
+                    if overlaps(w, slot) and (slot.model or default_model) != (w.model or default_model)}
+    return [[w for w in stopping if w.instance_id in switched_ids and overlaps(w, slot)] for slot in slots]
+
+
 def ack_status(num_done: int, problems: list[str]) -> PlanAckStatus:
     if not problems:
         return PlanAckStatus.APPLIED
@@ -182,6 +223,7 @@ class Worker:
     gpu_ids: tuple[int, ...]
     restartable: bool  # restart it when it exits unasked (plan-started workers: once READY)
     model: str = ""  # the served model's name, kept across restarts ("": the agent's first, as in InstanceSlot)
+    metrics_port: int = 0  # its /metrics port (NodeAgent.free_metrics_port; 0: none)
     process: asyncio.subprocess.Process | None = None
     spawned_at: float = 0.0  # unix time of the current process's spawn
     stopping: bool = False  # the agent asked it to stop: its exit is expected
@@ -231,6 +273,7 @@ class NodeAgent:
         self.default_model = next(iter(self.model_dirs))  # a plan's slot that names no model serves this one
         self.boot_slots = initial_slots(self.gpu_ids, settings.initial_instances)
         self.boot_models = boot_models(settings.initial_models, len(self.boot_slots), list(self.model_dirs))
+        self.overlap_switch = switch_on(settings.overlap_switch, os.environ)  # the workers get this environment
         self.log_dir = Path(settings.log_dir)
         self.subjects = Subjects(settings.subject_prefix)
         self.workers: dict[str, Worker] = {}  # instance id -> worker (running, starting or awaiting restart)
@@ -244,6 +287,9 @@ class NodeAgent:
         self._subscriptions: list = []
         self.metrics = NodeAgentMetrics()
         self.metrics.workers.set_function(lambda: len(self.workers))
+        for model in self.model_dirs:
+            self.metrics.model_workers.labels(model=model).set_function(
+                lambda model=model: sum((w.model or self.default_model) == model for w in self.workers.values()))
         # its /metrics also carries its workers' (one scrape target per node, as pod annotations allow)
         own = frozenset(family.name for family in self.metrics.registry.collect())
         self.metrics.registry.register(WorkerMetricsCollector(self.worker_metrics_urls, skip=own))
@@ -257,15 +303,16 @@ class NodeAgent:
         self._subscriptions.append(await self.nc.subscribe(self.subjects.plans, cb=self._on_plan))
         for slot, model in zip(self.boot_slots, self.boot_models, strict=True):
             worker = Worker(new_instance_id(self.node, len(slot), slot), len(slot), slot, restartable=True,
-                            model=model)
+                            model=model, metrics_port=self.free_metrics_port(slot))
             self.workers[worker.instance_id] = worker
             try:
                 await self._spawn(worker)
             except OSError as exc:
                 raise AgentError(f"cannot run the worker command {shlex.join(self.argv)}: {exc}") from None
         self._watchdog_task = asyncio.create_task(self._watchdog(), name="watchdog")
-        logger.info("node agent %s up: GPUs %s, models %s, workers %s, command %s", self.node, list(self.gpu_ids),
-                    self.model_dirs, [w.describe() for w in self.workers.values()], shlex.join(self.argv))
+        logger.info("node agent %s up: GPUs %s, models %s, workers %s, command %s; a slot changing model is %s",
+                    self.node, list(self.gpu_ids), self.model_dirs, [w.describe() for w in self.workers.values()],
+                    shlex.join(self.argv), "made before break" if self.overlap_switch else "stopped first")
 
     async def shutdown(self) -> None:
         """Stop taking plans, stop every worker (SIGTERM, then SIGKILL after ``stop_timeout_s``)."""
@@ -314,21 +361,25 @@ class NodeAgent:
             env["DLS_OTEL_ENDPOINT"] = s.otel_endpoint
         if "OTEL_SERVICE_NAME" in env:  # the agent's own name is inherited otherwise
             env["OTEL_SERVICE_NAME"] = "dls-worker"
-        env["DLS_METRICS_PORT"] = str(self.worker_metrics_port(worker))
+        env["DLS_METRICS_PORT"] = str(worker.metrics_port)
         env["DLS_METRICS_HOST"] = s.metrics_host
         return env
 
-    def worker_metrics_port(self, worker: Worker) -> int:
-        """The worker's /metrics port: the agent's plus one plus its first GPU's position among the agent's
-        GPUs (slots never share a GPU, so no two workers share a port); 0 when the agent serves none."""
+    def free_metrics_port(self, gpu_ids: tuple[int, ...]) -> int:
+        """A new worker's /metrics port: the agent's plus one plus its first GPU's position among the agent's
+        GPUs; where a worker has that one (the outgoing one of a switch, beside which it starts), the same
+        plus the agent's GPU count. Running slots never share a GPU, and a switch puts two workers on it at
+        most, so no two workers share a port. 0 when the agent serves none."""
         if not self.settings.metrics_port:
             return 0
-        return self.settings.metrics_port + 1 + self.gpu_ids.index(min(worker.gpu_ids))
+        taken = {w.metrics_port for w in self.workers.values()}
+        first = self.settings.metrics_port + 1 + self.gpu_ids.index(min(gpu_ids))
+        return first if first not in taken else first + len(self.gpu_ids)
 
     def worker_metrics_urls(self) -> list[str]:
         """The /metrics URLs of the workers running now (on this host)."""
-        return [f"http://127.0.0.1:{self.worker_metrics_port(w)}/metrics" for w in self.workers.values()
-                if self.worker_metrics_port(w) and w.process is not None and w.process.returncode is None]
+        return [f"http://127.0.0.1:{w.metrics_port}/metrics" for w in self.workers.values()
+                if w.metrics_port and w.process is not None and w.process.returncode is None]
 
     def log_path(self, worker: Worker) -> Path:
         return self.log_dir / f"{worker.instance_id}.log"
@@ -422,11 +473,13 @@ class NodeAgent:
         if worker.watcher is not None:
             worker.watcher.cancel()  # it may be sleeping out a restart back-off
 
-    async def _start(self, slot: InstanceSlot) -> tuple[str | None, str | None]:
-        """Spawn a worker on ``slot`` and wait for it to be READY: (instance id, None) or (None, problem)."""
+    async def _start(self, slot: InstanceSlot, after: Iterable[asyncio.Future] = ()) -> tuple[str | None, str | None]:
+        """Once ``after`` (the stops freeing its GPUs) are done, spawn a worker on ``slot`` and wait for it to be
+        READY: (instance id, None) or (None, problem)."""
+        await asyncio.gather(*after)
         gpu_ids = tuple(sorted(slot.gpu_ids))
         worker = Worker(new_instance_id(self.node, slot.tp, gpu_ids), slot.tp, gpu_ids, restartable=False,
-                        model=slot.model or self.default_model)
+                        model=slot.model or self.default_model, metrics_port=self.free_metrics_port(gpu_ids))
         self.workers[worker.instance_id] = worker
         try:
             await self._spawn(worker)
@@ -517,10 +570,39 @@ class NodeAgent:
             span.end()
 
     async def apply(self, node_plan: NodePlan) -> tuple[list[str], list[str], list[str]]:
-        """Stops, then starts: (started instance ids, stopped instance ids, problems)."""
+        """Stops, then starts: (started instance ids, stopped instance ids, problems). With ``overlap_switch``,
+        a start that replaces workers (``replaced_by``) is a switch (``_switch``): it waits for none of the
+        other stops, and its replaced workers are stopped only once it is READY."""
         problems: list[str] = []
+        to_stop = self._stoppable(node_plan.stop, problems)
+        for slot in node_plan.keep:
+            if not any(w.holds(slot) for w in self.workers.values()):
+                logger.warning("plan keeps %s, but no worker holds it", describe_slot(slot))
+        startable = self._startable(node_plan.start, problems, freed={gpu for w in to_stop for gpu in w.gpu_ids})
+        replaced = (replaced_by(startable, to_stop, self.default_model) if self.overlap_switch
+                    else [[] for _ in startable])
+        decided = time.monotonic()
+        stops: dict[str, asyncio.Future] = {}  # instance id -> its stop (once, however many starts replace it)
+
+        def stop(worker: Worker) -> asyncio.Future:
+            if worker.instance_id not in stops:
+                stops[worker.instance_id] = asyncio.ensure_future(self._stop_and_forget(worker))
+            return stops[worker.instance_id]
+
+        switched_ids = {w.instance_id for workers in replaced for w in workers}
+        first = [stop(w) for w in to_stop if w.instance_id not in switched_ids]  # the GPUs they free idle
+        outcomes = await asyncio.gather(*(
+            self._switch(slot, workers, stop, decided) if workers else self._start(slot, after=first)
+            for slot, workers in zip(startable, replaced, strict=True)))
+        await asyncio.gather(*stops.values())
+        problems.extend(problem for _, problem in outcomes if problem)
+        started = [instance_id for instance_id, _ in outcomes if instance_id]
+        return started, list(stops), problems
+
+    def _stoppable(self, slots: list[InstanceSlot], problems: list[str]) -> list[Worker]:
+        """The workers the stop slots name; a problem for each slot that names none."""
         to_stop = []
-        for slot in node_plan.stop:
+        for slot in slots:
             worker = next((w for w in self.workers.values() if w.holds(slot) and not w.stopping), None)
             if worker is None:
                 problems.append(f"stop {describe_slot(slot)}: no worker holds exactly these GPUs")
@@ -529,21 +611,33 @@ class NodeAgent:
                                 f"{worker.model!r}")
             else:
                 to_stop.append(worker)
-        for slot in node_plan.keep:
-            if not any(w.holds(slot) for w in self.workers.values()):
-                logger.warning("plan keeps %s, but no worker holds it", describe_slot(slot))
-        await asyncio.gather(*(self._stop(w) for w in to_stop))
-        for worker in to_stop:
-            self.workers.pop(worker.instance_id, None)
-        startable = self._startable(node_plan.start, problems)
-        outcomes = await asyncio.gather(*(self._start(slot) for slot in startable))
-        problems.extend(problem for _, problem in outcomes if problem)
-        started = [instance_id for instance_id, _ in outcomes if instance_id]
-        return started, [w.instance_id for w in to_stop], problems
+        return to_stop
 
-    def _startable(self, slots: list[InstanceSlot], problems: list[str]) -> list[InstanceSlot]:
-        """The slots that can be started; a problem for each other one."""
-        busy = {gpu for w in self.workers.values() for gpu in w.gpu_ids}
+    async def _stop_and_forget(self, worker: Worker) -> None:
+        await self._stop(worker)
+        self.workers.pop(worker.instance_id, None)
+
+    async def _switch(self, slot: InstanceSlot, replaced: list[Worker], stop: Callable[[Worker], asyncio.Future],
+                      decided: float) -> tuple[str | None, str | None]:
+        """Make before break: start ``slot`` beside the ``replaced`` workers, which serve meanwhile, and stop them
+        (``stop``) once it is READY; where it does not come up they serve on. Its time from the plan's
+        decision (``decided``, ``time.monotonic()``) to them stopped is logged and observed."""
+        old = ", ".join(w.describe() for w in replaced)
+        instance_id, problem = await self._start(slot)
+        if instance_id is None:
+            return None, f"{problem}; {old} kept serving (not stopped)"
+        ready_s = time.monotonic() - decided
+        await asyncio.gather(*(stop(w) for w in replaced))
+        switch_s = time.monotonic() - decided
+        self.metrics.switch_seconds.labels(model=slot.model or self.default_model).observe(switch_s)
+        logger.info("switched %s to %s (%s), made before break: READY %.1f s after the plan, the old stopped "
+                    "%.1f s later (%.1f s in all)", old, instance_id, describe_slot(slot), ready_s, switch_s - ready_s,
+                    switch_s)
+        return instance_id, None
+
+    def _startable(self, slots: list[InstanceSlot], problems: list[str], freed: set[int]) -> list[InstanceSlot]:
+        """The slots that can be started (``freed``: GPUs of workers the plan stops); a problem for each other."""
+        busy = {gpu for w in self.workers.values() for gpu in w.gpu_ids} - freed
         startable = []
         for slot in slots:
             gpus = set(slot.gpu_ids)

@@ -9,9 +9,12 @@ ever since: its heartbeats go on, its step never returns), FAKE_WORKER_MUTE_SECO
 process on this GPU never sends a heartbeat: a restart that hangs before it is READY),
 FAKE_WORKER_DEVICES_DIR (before its first heartbeat it writes ``<instance id>.json`` there: the
 ``CUDA_VISIBLE_DEVICES`` it was given and the machine's GPUs its engine would put its ranks on,
-``services.worker.parallel.placement.rank_gpus`` for the device its settings name). It serves (says in its
-heartbeats) the model its ``DLS_WORKER_MODEL_DIR`` names, as a real worker does, and records that variable
-and ``DLS_CALIBRATION_DIR`` in ``<pid dir>/<instance id>.<pid>``."""
+``services.worker.parallel.placement.rank_gpus`` for the device its settings name), FAKE_WORKER_LOADS
+(``model=seconds,...``: a worker of that model sends STARTING heartbeats that long before READY, a model's
+load), FAKE_WORKER_FAIL_MODEL_GPU (``model:gpu``: a worker of that model whose first GPU is that one exits with
+code 3 half a second after it started, a load that fails). It serves (says in its heartbeats) the model its
+``DLS_WORKER_MODEL_DIR`` names, as a real worker does, and records that variable and ``DLS_CALIBRATION_DIR`` in
+``<pid dir>/<instance id>.<pid>``."""
 
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections import defaultdict
 from pathlib import Path
 
@@ -38,6 +42,7 @@ from shared.messages.control import (
     WorkerHeartbeat,
     WorkerStatus,
 )
+from shared.runtime import free_port
 from shared.subjects import Subjects
 
 pytestmark = pytest.mark.integration
@@ -70,6 +75,12 @@ async def main():
     if os.environ.get("FAKE_WORKER_FAIL_TP") == str(TP):
         print("failing on purpose", flush=True)
         sys.exit(3)
+    if os.environ.get("FAKE_WORKER_FAIL_MODEL_GPU") == f"{MODEL}:{GPU_IDS[0]}":
+        await asyncio.sleep(0.5)
+        print("failing to load on purpose", flush=True)
+        sys.exit(3)
+    load_s = float(dict(entry.split("=") for entry in os.environ.get("FAKE_WORKER_LOADS", "").split(",")
+                        if entry).get(MODEL, 0))
     started_at = time.time()
     if os.environ.get("FAKE_WORKER_DEVICES_DIR"):
         from services.worker.parallel.placement import rank_gpus
@@ -107,6 +118,10 @@ async def main():
             instance_id=INSTANCE_ID, node=NODE, tp=TP, gpu_ids=GPU_IDS, max_batch=4, model=MODEL, status=status,
             ttl_s=3 * INTERVAL_S, sent_at=time.time(), started_at=started_at, seq=seq, step_running_s=running)))
 
+    loaded_at = time.monotonic() + load_s
+    while time.monotonic() < loaded_at and not stop.is_set():
+        await beat(WorkerStatus.STARTING)
+        await asyncio.sleep(INTERVAL_S)
     while not stop.is_set():
         if stuck and seq == 2:
             open(stuck_marker, "w").close()
@@ -135,9 +150,11 @@ class Cluster:
         self.statuses: dict[str, list[WorkerStatus]] = defaultdict(list)  # instance id -> statuses in order
         self.beats: dict[str, WorkerHeartbeat] = {}  # instance id -> last heartbeat
         self.acks: list[PlanAck] = []
+        self.log: list[tuple[str, WorkerStatus]] = []  # every heartbeat heard, in order: (instance id, status)
 
     async def on_heartbeat(self, msg) -> None:
         beat = decode(WorkerHeartbeat, msg.data)
+        self.log.append((beat.instance_id, beat.status))
         if not self.statuses[beat.instance_id] or self.statuses[beat.instance_id][-1] != beat.status:
             self.statuses[beat.instance_id].append(beat.status)
         self.beats[beat.instance_id] = beat
@@ -158,6 +175,10 @@ class Cluster:
 
     def ack_for(self, plan_id: str) -> PlanAck | None:
         return next((a for a in self.acks if a.plan_id == plan_id), None)
+
+    def first(self, instance_id: str, status: WorkerStatus | None = None) -> int:
+        """Position in ``log`` of ``instance_id``'s first heartbeat (of ``status``, if given)."""
+        return next(i for i, (iid, st) in enumerate(self.log) if iid == instance_id and status in (None, st))
 
 
 async def until(condition, what: str, agent: subprocess.Popen, log: Path) -> None:
@@ -447,3 +468,88 @@ def test_each_worker_serves_its_slots_model_across_plans_and_restarts(nats_serve
     text = log.read_text()
     assert "(beta, TP-1 on GPUs [2])" in text and "(alpha, TP-1 on GPUs [0])" in text  # its log names each model
     assert "not the model it was started for" not in text  # each heartbeat named the model its worker was given
+
+
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        return reply.read().decode()
+
+
+def test_a_slot_changing_model_is_made_before_break_and_a_failed_switch_keeps_the_old_one(
+        nats_server, unique_prefix, tmp_path):
+    """CPU workers (DLS_NODE_AGENT_OVERLAP_SWITCH auto: on). A plan moving GPU 0 from alpha to beta spawns
+    beta's worker at once: alpha's heartbeats go on, READY, through beta's load, and alpha is drained only
+    once beta is READY; the switch is observed in dls_node_agent_switch_seconds{model="beta"}. The same on
+    GPU 1 with a beta worker that fails to load: alpha there serves on, never drained, and the ack says so."""
+    models = tmp_path / "models"
+    metrics_port = free_port()
+    cluster = Cluster(tmp_path / "pids")
+
+    async def main(agent, log):
+        nc, subjects = await watch(nats_server.url, unique_prefix, cluster)
+        await until(lambda: len(cluster.ready_ids()) == 2, "the two alpha workers", agent, log)
+        alpha = {cluster.beats[i].gpu_ids[0]: i for i in cluster.ready_ids()}  # GPU -> alpha's instance there
+
+        await nc.publish(subjects.plans, plan("p-1", "n1", stop=[(1, [0], "alpha")], start=[(1, [0], "beta")]))
+        await until(lambda: cluster.ack_for("p-1") is not None, "the ack of p-1", agent, log)
+        ack = cluster.ack_for("p-1")
+        assert ack.status == PlanAckStatus.APPLIED and ack.stopped_instance_ids == [alpha[0]], ack.detail
+        [beta_id] = ack.started_instance_ids
+        assert cluster.beats[beta_id].model == "beta" and cluster.beats[beta_id].gpu_ids == [0]
+        beta_spawned, beta_ready = cluster.first(beta_id), cluster.first(beta_id, WorkerStatus.READY)
+        alpha_drained = cluster.first(alpha[0], WorkerStatus.DRAINING)
+        assert beta_spawned < beta_ready < alpha_drained, cluster.log
+        alpha_serving = [i for i, (iid, status) in enumerate(cluster.log)
+                         if iid == alpha[0] and status == WorkerStatus.READY and beta_spawned < i < beta_ready]
+        assert len(alpha_serving) >= 2, cluster.log  # it served on, beside beta loading
+        assert cluster.statuses[alpha[0]][-2:] == [WorkerStatus.DRAINING, WorkerStatus.STOPPING]
+
+        await nc.publish(subjects.plans, plan("p-2", "n1", stop=[(1, [1], "alpha")], start=[(1, [1], "beta")]))
+        await until(lambda: cluster.ack_for("p-2") is not None, "the ack of p-2", agent, log)
+        ack = cluster.ack_for("p-2")
+        assert ack.status == PlanAckStatus.FAILED, ack.detail
+        assert ack.started_instance_ids == [] and ack.stopped_instance_ids == []
+        assert "start TP-1 on GPUs [1] of model 'beta'" in ack.detail and "exited with code 3" in ack.detail
+        assert f"{alpha[1]} (alpha, TP-1 on GPUs [1]) kept serving (not stopped)" in ack.detail
+        heard = len(cluster.log)
+        await until(lambda: (alpha[1], WorkerStatus.READY) in cluster.log[heard:], "alpha serving on", agent, log)
+        assert cluster.statuses[alpha[1]] == [WorkerStatus.READY] and alive(cluster.pids(alpha[1])[0])
+
+        text = await asyncio.to_thread(scrape, metrics_port)
+        assert 'dls_node_agent_switch_seconds_count{model="beta"} 1.0' in text
+        assert 'dls_node_agent_model_workers{model="alpha"} 1.0' in text
+        assert 'dls_node_agent_model_workers{model="beta"} 1.0' in text
+        await nc.close()
+
+    agent, log = start_agent(tmp_path, nats_server.url, unique_prefix, [0, 1], [1, 1],
+                             DLS_NODE_AGENT_MODEL_DIRS=f"{models / 'alpha'},{models / 'beta'}",
+                             DLS_NODE_AGENT_INITIAL_MODELS='["alpha", "alpha"]', DLS_METRICS_PORT=str(metrics_port),
+                             FAKE_WORKER_LOADS="beta=2", FAKE_WORKER_FAIL_MODEL_GPU="beta:1")
+    run_agent(agent, log, main)
+    assert "made before break: READY" in log.read_text()
+
+
+def test_with_the_switch_off_the_old_model_stops_first(nats_server, unique_prefix, tmp_path):
+    """DLS_NODE_AGENT_OVERLAP_SWITCH=off: the same move of GPU 0 from alpha to beta drains and stops alpha
+    before beta's worker is spawned (its GPUs serve nothing through beta's load)."""
+    models = tmp_path / "models"
+    cluster = Cluster(tmp_path / "pids")
+
+    async def main(agent, log):
+        nc, subjects = await watch(nats_server.url, unique_prefix, cluster)
+        await until(lambda: len(cluster.ready_ids()) == 1, "the alpha worker", agent, log)
+        [alpha_id] = cluster.ready_ids()
+        await nc.publish(subjects.plans, plan("p-1", "n1", stop=[(1, [0], "alpha")], start=[(1, [0], "beta")]))
+        await until(lambda: cluster.ack_for("p-1") is not None, "the ack of p-1", agent, log)
+        ack = cluster.ack_for("p-1")
+        assert ack.status == PlanAckStatus.APPLIED and ack.stopped_instance_ids == [alpha_id], ack.detail
+        [beta_id] = ack.started_instance_ids
+        assert cluster.first(alpha_id, WorkerStatus.STOPPING) < cluster.first(beta_id), cluster.log
+        await nc.close()
+
+    agent, log = start_agent(tmp_path, nats_server.url, unique_prefix, [0], [1],
+                             DLS_NODE_AGENT_MODEL_DIRS=f"{models / 'alpha'},{models / 'beta'}",
+                             DLS_NODE_AGENT_OVERLAP_SWITCH="off", FAKE_WORKER_LOADS="beta=0.5")
+    run_agent(agent, log, main)
+    text = log.read_text()
+    assert "a slot changing model is stopped first" in text and "made before break: READY" not in text
