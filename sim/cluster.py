@@ -37,6 +37,10 @@ class ClusterSpec:
     # an instance holds tp * kv_budget_bytes / the profile's kv_bytes_per_token context tokens
     kv_budget_bytes: int = 0
     model: str = DEFAULT_MODEL  # the model every instance serves (requests name theirs: RequestSpec.model)
+    # several models: a slot that changes model loads the incoming model while the outgoing one still
+    # serves on it (both models' weights fit a GPU), then drains it (one step plus migration): make
+    # before break. False: the outgoing instance drains first and the GPUs idle through the load
+    overlap_switch: bool = False
 
     @property
     def num_gpus(self) -> int:
@@ -84,6 +88,7 @@ class PendingStart:
     instance: Instance
     plan_id: str
     model: str | None = None  # the model it starts (None: the cluster's one model)
+    replaces: tuple[Instance, ...] = ()  # make before break: instances on its GPUs drained once it is up
 
 
 @dataclass

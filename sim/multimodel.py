@@ -13,6 +13,8 @@ Policies (``DIVISIONS``):
   the models every period (one ILP over both models, each move's switch time weighed).
 - ``per-model``: DiLaServe scheduling, GPUs divided by ``SharedBudgetPlanners``: each model's own
   planner scales it by its own load under one GPU budget (the Dynamo / llm-d / AIBrix pattern).
+- ``dilaserve-fixed``: ``dilaserve``'s division with every threshold held at 0.9 (the highest
+  candidate, where a light load keeps them): what lowering thresholds through a move adds.
 - ``static``: DiLaServe scheduling on the best static split, chosen in hindsight (every split of the
   grid run, the best aggregate attainment kept).
 - ``infaas``, ``llumnix``: those baselines' scheduling on the same best static split.
@@ -51,7 +53,7 @@ from sim.simulator import Simulator, VirtualClock
 from sim.timing import StepTimer, anchored
 from sim.workload import RequestSpec, SloClass, WorkloadConfig, generate
 
-DIVISIONS = ("dilaserve", "per-model", "static", "infaas", "llumnix")
+DIVISIONS = ("dilaserve", "dilaserve-fixed", "per-model", "static", "infaas", "llumnix")
 STATIC = ("static", "infaas", "llumnix")  # policies on the best static split
 FLIP_WINDOW_S = 120.0  # attainment in this long after a flip, against the steady level
 
@@ -221,7 +223,7 @@ def run(ms: MultiSetup, label: str, rate_mult: float, seed: int = 0, split: dict
                                    initial_tp=(spec.initial_tp[0],) * (num_gpus // spec.initial_tp[0]))
     rate = rate_mult * ms.capacity_rps
     requests = requests_of(ms, rate, seed, only)
-    policy = {"static": "dilaserve", "per-model": "dilaserve"}.get(label, label)
+    policy = {"static": "dilaserve", "per-model": "dilaserve", "dilaserve-fixed": "fixed-0.9"}.get(label, label)
     name, config = policy_config(ms.shared, policy)
     view = ClusterView()
     cluster = SimCluster(spec, ms.shared.profile, view, profiles={n: m.profile for n, m in ms.models.items()})
@@ -392,6 +394,11 @@ def headline(result: dict) -> dict:
     out["by_model"] = {name: {"slo_attainment": round(fig["slo_attainment"], 4), "accuracy": round(fig["accuracy"], 4),
                               "after_flips_of_steady": [f["of_steady"] for f in fig["after_flips"]["flips"]]}
                        for name, fig in ours["by_model"].items()}
+    fixed = top.get("dilaserve-fixed")
+    if fixed is not None:  # the same division with thresholds held: what lowering them through a move adds
+        for name, fig in fixed["by_model"].items():
+            out["by_model"][name]["after_flips_thresholds_held"] = [f["slo_attainment"] for f in fig["after_flips"]["flips"]]
+            out["by_model"][name]["after_flips"] = [f["slo_attainment"] for f in ours["by_model"][name]["after_flips"]["flips"]]
     if "gpu_hours" in result:
         out["gpu_hours_saving"] = result["gpu_hours"]["saving"]
     return out
@@ -408,11 +415,12 @@ MULTI_PRESETS.register(
         "Two models on 32 GPUs (4 nodes of 8, TP {1, 2, 4}): a LLaDA-8B-class model with a tight SLO (3x its "
         "isolated latency) and a Dream-7B-class one (step times 0.87x: 7.6B parameters against 8B) with a "
         "loose one (8x); the mix flips 80:20, 20:80, back, with bursty arrivals (Gamma, CV 2); switch times "
-        "45 s and 40 s (a cold load of an 8B model, the low end of the published 30-100 s)",
+        "45 s and 40 s (a cold load of an 8B model, the low end of the published 30-100 s), loaded beside the "
+        "outgoing model, which then drains (make before break, as the node agent switches a slot)",
         Preset(
             "multi-model", "",
             ClusterSpec(num_nodes=4, gpus_per_node=8, initial_tp=(1,) * 32, tp_degrees=(1, 2, 4), reconfigure=True,
-                        reconfig_period_s=30.0, reconfig_window_s=30.0, reconfig_peak_windows=1),
+                        reconfig_period_s=30.0, reconfig_window_s=30.0, reconfig_peak_windows=1, overlap_switch=True),
             WorkloadConfig(arrival="gamma", cv=2.0, lengths="fixed", num_shots=5),
             (),
             cache_mode=CacheMode.NONE,

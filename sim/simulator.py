@@ -16,6 +16,7 @@ commands are checked as a worker checks them.
 
 from __future__ import annotations
 
+import dataclasses
 import time as wallclock
 from dataclasses import dataclass, field
 
@@ -269,6 +270,8 @@ class Simulator:
 
     def _on_instance_up(self, pending: PendingStart) -> None:
         self.cluster.start_now(pending.instance, pending.model)
+        for inst in pending.replaces:  # its GPUs' outgoing instance drains now (one step plus migration)
+            self._drain(inst)
         left = self.cluster.plan_to_num_pending[pending.plan_id] - 1
         self.cluster.plan_to_num_pending[pending.plan_id] = left
         self._carry_out(self.core.tick(self.now))
@@ -392,18 +395,33 @@ class Simulator:
         stops = [inst for plan in outcome.placement.by_model.values() for node in plan.nodes for inst in node.stop]
         starts = [PendingStart(inst, outcome.plan_id, model)
                   for model, plan in outcome.placement.by_model.items() for node in plan.nodes for inst in node.start]
+        if self.cluster.spec.overlap_switch:  # make before break: each start replaces the stops on its GPUs
+            starts = [dataclasses.replace(p, replaces=tuple(
+                s for s in stops if s.node == p.instance.node and set(s.gpu_ids) & set(p.instance.gpu_ids)))
+                for p in starts]
+        replaced = {s for p in starts for s in p.replaces}
         for inst in stops:
-            iid = self.cluster.drain(inst)
-            if iid is not None:
-                self._draining_since[iid] = self.now
-                self._carry_out(self.core.drain_instance(self.now, iid))
+            if inst not in replaced:
+                self._drain(inst)
         self.cluster.plan_to_num_pending[outcome.plan_id] = len(starts)
-        self.cluster.pending.extend(starts)
+        for pending in starts:
+            if pending.replaces:  # loads now, beside the instance it replaces
+                self.cluster.reserve(pending.instance)
+                startup_s = self.startup_s.get(pending.model, self.cluster.spec.startup_s)
+                self.queue.push(self.now + startup_s, SimEvent.INSTANCE_UP, pending)
+            else:
+                self.cluster.pending.append(pending)
         self._plan_waves[outcome.plan_id] = []
         self._start_ready()
         self._carry_out(self.core.tick(self.now))
         if not starts:
             self._next_wave(outcome.plan_id)  # acknowledged at once
+
+    def _drain(self, inst) -> None:
+        iid = self.cluster.drain(inst)
+        if iid is not None:
+            self._draining_since[iid] = self.now
+            self._carry_out(self.core.drain_instance(self.now, iid))
 
     def _next_wave(self, plan_id: str) -> None:
         waves = self._plan_waves[plan_id]
@@ -412,10 +430,7 @@ class Simulator:
             starts = [i for node in nodes for i in node.start]
             for node in nodes:
                 for inst in node.stop:
-                    iid = self.cluster.drain(inst)
-                    if iid is not None:
-                        self._draining_since[iid] = self.now
-                        self._carry_out(self.core.drain_instance(self.now, iid))
+                    self._drain(inst)
             self.cluster.plan_to_num_pending[plan_id] = len(starts)
             self.cluster.pending.extend(PendingStart(i, plan_id) for i in starts)
             self._start_ready()

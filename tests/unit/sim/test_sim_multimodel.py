@@ -100,3 +100,19 @@ def test_per_model_planners_move_gpus_too(setup):
 def test_compare_refuses_an_unknown_policy(setup):
     with pytest.raises(ValueError, match="unknown policies"):
         multimodel.compare(setup, ["dilaserve", "nope"])
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_switch_made_before_break_leaves_no_gpu_idle(overlap):
+    preset = tiny()
+    cluster = dataclasses.replace(preset.base.cluster, overlap_switch=overlap)
+    slow = tuple(dataclasses.replace(m, switch_s=12.0) for m in preset.models)
+    preset = dataclasses.replace(preset, base=dataclasses.replace(preset.base, cluster=cluster, sample_period_s=1.0),
+                                 models=slow)
+    summary = run(multi_setup(preset), "dilaserve", 0.8)
+    assert summary["reconfigurations"]
+    serving = [sum(g.values()) for g in summary["gpus_over_time"]["gpus_by_model"]]
+    if overlap:  # the outgoing instance serves through the incoming one's load
+        assert min(serving) == 8
+    else:  # drained first: its GPUs idle through the load
+        assert min(serving) < 8
