@@ -10,7 +10,6 @@ environment: ``GatewaySettings(port=9000)``. ``env_vars(cls)`` lists a class's v
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import AliasChoices, Field, field_validator, model_validator
@@ -18,6 +17,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from shared.messages.codec import DEFAULT_MAX_PAYLOAD_BYTES
 from shared.pipelining import DEFAULT_HELD_REPEATS
+from shared.served import model_name
 from shared.state import DEFAULT_COMPLETED_TTL_S
 from shared.subjects import DEFAULT_PREFIX, Subjects, check_id
 
@@ -97,7 +97,8 @@ class ServiceSettings(BaseSettings):
 
 
 class ServesModels:
-    """A service that serves one model or several (``model_dir``, ``model_dirs``)."""
+    """A service that serves one model or several (``model_dir``, ``model_dirs``); ``shared.served`` names
+    them, refuses two of one name and gives ``calibration_dir`` to the first."""
 
     model_dir: str
     model_dirs: str
@@ -441,7 +442,7 @@ class ReconfiguratorSettings(ServesModels, ServiceSettings):
 
     @model_validator(mode="after")
     def _model_pairs(self) -> ReconfiguratorSettings:
-        served = [Path(d).name for d in self.served_model_dirs]
+        served = [model_name(d) for d in self.served_model_dirs]  # as shared.served names them
         for setting, pairs in (("DLS_RECONFIGURATOR_SWITCH_S", self.switch_s_by_model),
                                ("DLS_RECONFIGURATOR_MIN_INSTANCES", self.min_instances_by_model)):
             unknown = sorted(set(pairs) - set(served))
