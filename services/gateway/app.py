@@ -78,6 +78,7 @@ from shared.messages.events import (
 )
 from shared.metrics import GatewayMetrics
 from shared.profiles import LatencyProfile, ProfileError
+from shared.served import DuplicateModelName, served_models_of
 from shared.settings import GatewaySettings
 
 logger = logging.getLogger(__name__)
@@ -705,16 +706,16 @@ def slo_estimator(settings: GatewaySettings, model: ServedModel) -> SloEstimator
 
 
 def served_models(settings: GatewaySettings) -> ModelCatalogue:
-    """Every model the settings serve (``DLS_GATEWAY_MODEL_DIRS``, else ``DLS_GATEWAY_MODEL_DIR``);
-    ``ModelLoadError`` naming the directory, or the setting, that is wrong."""
-    models = [load_served_model(d, settings.default_gen_length, settings.default_block_length, settings.chat_template,
-                                settings.trust_remote_code, settings.calibration_dir if i == 0 else "")
-              for i, d in enumerate(settings.served_model_dirs)]
+    """Every model the settings serve (``DLS_GATEWAY_MODEL_DIRS``, else ``DLS_GATEWAY_MODEL_DIR``; named and
+    calibrated as ``shared.served`` says); ``ModelLoadError`` naming the directory, or the setting, that is wrong."""
+    try:
+        served = served_models_of(settings, "DLS_GATEWAY_MODEL_DIRS")  # names, DLS_CALIBRATION_DIR the first's
+    except DuplicateModelName as exc:
+        raise ModelLoadError(str(exc)) from None
+    models = [load_served_model(m.directory, settings.default_gen_length, settings.default_block_length,
+                                settings.chat_template, settings.trust_remote_code, m.calibration_dir)
+              for m in served]
     names = [m.name for m in models]
-    twice = sorted({n for n in names if names.count(n) > 1})
-    if twice:
-        raise ModelLoadError(f"DLS_GATEWAY_MODEL_DIRS: two directories serve the model name {twice[0]!r} (a model's "
-                             "name is its directory's basename)")
     unknown = sorted(set(settings.slo_ms_by_model) - set(names))
     if unknown:
         raise ModelLoadError(f"DLS_GATEWAY_MODEL_SLO_MS names {', '.join(unknown)}, which is not served "

@@ -30,6 +30,7 @@ from typing import Protocol
 
 from shared.calibration import Calibration, CalibrationError, find, uncalibrated_message
 from shared.generation import GenerationLimits, read_generation_limits
+from shared.served import model_name
 from shared.tokenizer import (
     TOKENIZER_FILE,
     CharTokenizer,
@@ -212,7 +213,7 @@ def load_served_model(model_dir: str | Path, default_gen_length: int | None = No
                              block_length=default_block_length or limits.block_length)
     codec = _load_codec(directory, config, _template_text(chat_template), trust_remote_code)
     return ServedModel(
-        name=directory.name or directory.resolve().name,  # as the workers name it (no symlink resolving)
+        name=model_name(directory),  # as every service and the workers name it (shared.served)
         directory=directory,
         codec=codec,
         max_sequence_length=_max_sequence_length(config, directory),
