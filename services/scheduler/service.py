@@ -70,6 +70,7 @@ from shared.metrics import SchedulerMetrics, predictor_error, serve_metrics
 from shared.profiles import LatencyProfile, ProfileError, online_profile
 from shared.retry import retry_transient
 from shared.runtime import connect_nats, freeze_startup_heap, on_stop_signals
+from shared.served import model_name, served_models_of
 from shared.settings import SchedulerSettings
 from shared.state import RequestRecord, StaleStateError, StateStore
 from shared.subjects import Subjects, shard_of
@@ -129,17 +130,11 @@ def served_quality(settings: SchedulerSettings) -> ServedQuality:
 
 
 def served_qualities(settings: SchedulerSettings) -> dict[str, ServedQuality]:
-    """Each served model's quality curves (``settings.served_model_dirs``; model name -> its curves, the
-    first served first): its own calibration's (``shared.calibration``: a bundle made for other weights is
-    refused, naming what differs; ``DLS_CALIBRATION_DIR`` is the first model's, as the gateway reads it)."""
-    qualities: dict[str, ServedQuality] = {}
-    for i, model_dir in enumerate(settings.served_model_dirs):
-        name = Path(model_dir).name
-        if name in qualities:
-            raise ValueError(f"DLS_SCHEDULER_MODEL_DIRS: two directories serve the model name {name!r} (a model's "
-                             "name is its directory's basename)")
-        qualities[name] = quality_of(model_dir, (settings.calibration_dir or None) if i == 0 else None)
-    return qualities
+    """Each served model's quality curves (``shared.served``: model name -> its curves, the first served
+    first; ``DuplicateModelName`` when two directories share a name): its own calibration's
+    (``shared.calibration``: a bundle made for other weights is refused, naming what differs)."""
+    return {m.name: quality_of(m.directory, m.calibration_dir or None)
+            for m in served_models_of(settings, "DLS_SCHEDULER_MODEL_DIRS")}
 
 
 def quality_of(model_dir: str, calibration_dir: str | None) -> ServedQuality:
@@ -292,7 +287,7 @@ class SchedulerService:
         self._window = {"finished": 0, "slo_met": 0, "rejected": 0, "threshold_sum": 0.0, "steps": 0}
         self._counters = {"malformed": 0, "timed_out_steps": 0}
         self.metrics = SchedulerMetrics()
-        self.model_name = Path(settings.served_model_dirs[0]).name  # the first served model (the gateway's name)
+        self.model_name = model_name(settings.served_model_dirs[0])  # the first served model (shared.served)
         self._metrics_server = None
         self._tracer = tracer("dls.scheduler")
         self._pending_results: list[StepResults] = []  # received, not handled yet (coalesced)
