@@ -1,12 +1,13 @@
 """The models a predictor service serves: each one's predictors, live error and retraining window.
 
 ``DLS_PREDICTOR_MODEL_DIRS`` (else ``DLS_PREDICTOR_MODEL_DIR`` alone) names the served models; a model's
-name is its directory's basename, as requests name it. Each model is answered by the predictors of its own
-calibration bundle (``shared.calibration``; ``DLS_CALIBRATION_DIR`` is the first model's, as the gateway
-reads it), refused when made for other weights; an uncalibrated one gets ``BoundPredictor``, said for that
-model alone. A query names its request's model (``PredictionQuery.model``); "" is the first served model.
-With one model served, every query is answered by it whatever it names, as before a cluster served
-several (a name that differs is logged once): only several models make the name decide.
+name is its directory's basename, as requests name it (``shared.served``). Each model is answered by the
+predictors of its own calibration bundle (``shared.calibration``; ``DLS_CALIBRATION_DIR`` is the first
+model's, ``shared.served``), refused when made for other weights; an uncalibrated one gets
+``BoundPredictor``, said for that model alone. A query names its request's model
+(``PredictionQuery.model``); "" is the first served model. With one model served, every query is
+answered by it whatever it names, as before a cluster served several (a name that differs is logged
+once): only several models make the name decide.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from services.predictor.core.loading import ONE_SHOT_DIR
 from services.predictor.core.model import RECOMPUTE_FILE, TOTAL_FILE, StepModel
 from services.predictor.core.predictor import BoundPredictor, InProcessPredictor, OneShotPredictor, Predictor
 from services.predictor.core.retraining import LiveError, RetrainOutcome, ServedWindow
-from shared.calibration import Calibration, find, uncalibrated_message
+from shared.calibration import Calibration, uncalibrated_message
+from shared.served import served_models_of
 from shared.settings import PredictorSettings
 
 logger = logging.getLogger("dls.predictor")
@@ -95,25 +97,17 @@ class ServedPredictor:
         return self.loaded[one_shot]
 
 
-def model_name(model_dir: str | Path) -> str:
-    """A served model's name: its directory's basename (what the gateway and the workers call it)."""
-    return Path(model_dir).name or Path(model_dir).resolve().name
-
-
 def served_predictors(settings: PredictorSettings) -> dict[str, ServedPredictor]:
     """Every model the settings serve, first first (model name -> its predictors): each with its own
     calibration (``CalibrationMismatch`` naming what differs when one was made for other weights); an
-    uncalibrated one is said, naming it. Two directories with one basename are refused."""
+    uncalibrated one is said, naming it. Two directories with one basename are refused
+    (``shared.served.DuplicateModelName``)."""
     served: dict[str, ServedPredictor] = {}
-    for i, model_dir in enumerate(settings.served_model_dirs):
-        name = model_name(model_dir)
-        if name in served:
-            raise ValueError(f"DLS_PREDICTOR_MODEL_DIRS: two directories serve the model name {name!r} (a model's "
-                             "name is its directory's basename)")
-        # DLS_CALIBRATION_DIR is the first model's (as the gateway reads it); the others' are inside them
-        calibration = find(model_dir, (settings.calibration_dir or None) if i == 0 else None)
+    for model in served_models_of(settings, "DLS_PREDICTOR_MODEL_DIRS"):
+        calibration = model.calibration()
         if calibration is None:
-            logger.warning(uncalibrated_message(model_dir))
-        served[name] = ServedPredictor(name, str(model_dir), calibration, ServedWindow(settings.retrain_window_rows),
-                                       LiveError(max(settings.live_error_rows, 1)))
+            logger.warning(uncalibrated_message(model.directory))
+        served[model.name] = ServedPredictor(model.name, model.directory, calibration,
+                                             ServedWindow(settings.retrain_window_rows),
+                                             LiveError(max(settings.live_error_rows, 1)))
     return served
