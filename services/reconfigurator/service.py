@@ -71,7 +71,7 @@ from services.reconfigurator.core.solver import SolverOptions
 from services.reconfigurator.core.spec import Cluster, Instance, ModelDemand, Workload
 from services.reconfigurator.core.stage1 import Stage1Options
 from services.reconfigurator.core.stage2 import Stage2Options, solve_stage2
-from shared.calibration import find, of_service, uncalibrated_message
+from shared.calibration import of_service, uncalibrated_message
 from shared.leases import LeaseTable
 from shared.messages import codec
 from shared.messages.control import (
@@ -89,6 +89,7 @@ from shared.messages.control import (
 from shared.metrics import ReconfiguratorMetrics, serve_metrics
 from shared.profiles import LatencyProfile
 from shared.runtime import connect_nats, on_stop_signals
+from shared.served import model_name, served_models_of
 from shared.settings import DEFAULT_MIN_INSTANCES, DEFAULT_SWITCH_S, ReconfiguratorSettings
 from shared.subjects import Subjects
 from shared.telemetry import inject_headers, setup_tracing, shutdown_tracing, tracer
@@ -210,7 +211,7 @@ def model_demands(settings: ReconfiguratorSettings, profiles: Mapping[str, Laten
     """One ``ModelDemand`` per served model (its workload empty: the core fills it from the model's
     monitor): its profile and degrees, its ``switch_s`` and ``min_instances`` settings, the one KV budget.
     ``ValueError`` when ``profiles`` are not of the served models."""
-    served = [Path(d).name for d in settings.served_model_dirs]
+    served = [model_name(d) for d in settings.served_model_dirs]
     if list(profiles) != served:
         raise ValueError(f"profiles of {', '.join(profiles)}, but DLS_RECONFIGURATOR_MODEL_DIRS serves "
                          f"{', '.join(served)}")
@@ -629,19 +630,15 @@ def planning_profile(settings: ReconfiguratorSettings) -> str | None:
 def planning_profiles(settings: ReconfiguratorSettings) -> dict[str, str | None]:
     """Each served model's planning profile (model name -> path; None: uncalibrated), first first:
     ``DLS_RECONFIGURATOR_PROFILE`` for every one when set, else each model's calibration's
-    (``DLS_CALIBRATION_DIR`` is the first model's, as every service reads it; ``CalibrationMismatch``
-    when a bundle was made for other weights). ``ValueError`` when two directories share a name."""
+    (``shared.served``: ``DLS_CALIBRATION_DIR`` is the first model's; ``CalibrationMismatch`` when a bundle
+    was made for other weights). ``DuplicateModelName`` (a ``ValueError``) when two directories share a name."""
     profiles: dict[str, str | None] = {}  # model name -> its profile's path
-    for i, model_dir in enumerate(settings.served_model_dirs):
-        name = Path(model_dir).name
-        if name in profiles:
-            raise ValueError(f"DLS_RECONFIGURATOR_MODEL_DIRS: two directories serve the model name {name!r} (a "
-                             "model's name is its directory's basename)")
+    for model in served_models_of(settings, "DLS_RECONFIGURATOR_MODEL_DIRS"):
         if settings.profile:
-            profiles[name] = settings.profile
+            profiles[model.name] = settings.profile
             continue
-        calibration = find(model_dir, (settings.calibration_dir or None) if i == 0 else None)
-        profiles[name] = str(calibration.profile_path) if calibration is not None else None
+        calibration = model.calibration()
+        profiles[model.name] = str(calibration.profile_path) if calibration is not None else None
     return profiles
 
 

@@ -103,7 +103,8 @@ def test_an_uncalibrated_model_among_several_means_no_plans_and_says_which(secon
 
 
 def test_two_directories_with_one_name_are_refused():
-    with pytest.raises(ValueError, match="DLS_RECONFIGURATOR_MODEL_DIRS: two directories serve the model name 'alpha'"):
+    with pytest.raises(ValueError, match="DLS_RECONFIGURATOR_MODEL_DIRS: /a/alpha and /b/alpha are both the "
+                                         "model 'alpha'"):
         planning_profiles(ReconfiguratorSettings(model_dirs="/a/alpha,/b/alpha", profile="p.json"))
 
 
