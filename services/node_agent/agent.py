@@ -28,11 +28,11 @@
 
 A worker is ``worker_command`` (a leading ``python`` is this interpreter) in its own session and
 process group, with the agent's environment plus the connection settings and ``DLS_WORKER_INSTANCE_ID``,
-``DLS_WORKER_NODE``, ``DLS_WORKER_GPU_IDS`` (JSON list), ``DLS_WORKER_TP`` and ``DLS_WORKER_MODEL_DIR`` (its
-model's directory; ``DLS_CALIBRATION_DIR`` only for the first model's workers, as in the gateway), pinned to its slot's
-GPUs with ``CUDA_VISIBLE_DEVICES`` (the agent's GPU ids are positions in the ``CUDA_VISIBLE_DEVICES``
-the agent was given, if any): it sees them as ``cuda:0 .. cuda:tp-1``, where ``DLS_WORKER_DEVICE=cuda``
-puts its ranks. Its stdout and stderr go to ``<log_dir>/<instance id>.log`` (appended across
+``DLS_WORKER_NODE``, ``DLS_WORKER_GPU_IDS`` (JSON list), ``DLS_WORKER_TP``, ``DLS_WORKER_MODEL_DIR`` (its
+model's directory) and ``DLS_CALIBRATION_DIR`` (the agent's for the first model's workers, "" for the others':
+``shared.served``), pinned to its slot's GPUs with ``CUDA_VISIBLE_DEVICES`` (the agent's GPU ids are
+positions in the ``CUDA_VISIBLE_DEVICES`` the agent was given, if any): it sees them as
+``cuda:0 .. cuda:tp-1``, where ``DLS_WORKER_DEVICE=cuda`` puts its ranks. Its stdout and stderr go to ``<log_dir>/<instance id>.log`` (appended across
 restarts). On a CPU machine the GPU ids are emulated slots: nothing here touches a device.
 """
 
@@ -65,6 +65,7 @@ from shared.messages.control import (
 )
 from shared.metrics import NodeAgentMetrics, serve_metrics
 from shared.runtime import connect_nats, on_stop_signals
+from shared.served import DuplicateModelName, ServedModelDir, served_models_of
 from shared.settings import NodeAgentSettings
 from shared.subjects import SubjectError, Subjects, check_id
 from shared.telemetry import extract_context, setup_tracing, shutdown_tracing, tracer
@@ -97,16 +98,13 @@ def new_instance_id(node: str, tp: int, gpu_ids: Iterable[int]) -> str:
     return check_id(f"{node}-tp{tp}-g{min(gpu_ids)}-{secrets.token_hex(2)}", "instance id")
 
 
-def served_models(model_dirs: Iterable[str]) -> dict[str, str]:
-    """Model name (its directory's basename) -> directory; ``AgentError`` when two share a name."""
-    name_to_dir: dict[str, str] = {}  # model name -> its directory
-    for directory in model_dirs:
-        name = Path(directory).name
-        if name in name_to_dir:
-            raise AgentError(f"DLS_NODE_AGENT_MODEL_DIRS (or DLS_MODEL_DIRS): {name_to_dir[name]} and {directory} are "
-                             f"both the model {name!r} (a model's name is its directory's basename): rename one")
-        name_to_dir[name] = directory
-    return name_to_dir
+def served_models(settings: NodeAgentSettings) -> dict[str, ServedModelDir]:
+    """Model name -> the served model (``shared.served``: its directory, the calibration its workers read);
+    ``AgentError`` naming the setting when two directories share a name."""
+    try:
+        return {m.name: m for m in served_models_of(settings, "DLS_NODE_AGENT_MODEL_DIRS (or DLS_MODEL_DIRS)")}
+    except DuplicateModelName as exc:
+        raise AgentError(str(exc)) from None
 
 
 def boot_models(initial_models: list[str], num_instances: int, served: list[str]) -> list[str]:
@@ -269,7 +267,8 @@ class NodeAgent:
         except DeviceError as exc:
             raise AgentError(f"DLS_NODE_AGENT_GPU_IDS {list(self.gpu_ids)}: {exc}") from None
         self.argv = worker_argv(settings.worker_command)
-        self.model_dirs = served_models(settings.served_model_dirs)  # model name -> its directory
+        self.models = served_models(settings)  # model name -> the served model
+        self.model_dirs = {name: m.directory for name, m in self.models.items()}  # model name -> its directory
         self.default_model = next(iter(self.model_dirs))  # a plan's slot that names no model serves this one
         self.boot_slots = initial_slots(self.gpu_ids, settings.initial_instances)
         self.boot_models = boot_models(settings.initial_models, len(self.boot_slots), list(self.model_dirs))
@@ -337,6 +336,7 @@ class NodeAgent:
         """The agent's environment, its connection settings, and the worker's own variables; pinned to
         its GPUs (``CUDA_VISIBLE_DEVICES``: the slot's GPUs, through the agent's own if it has one)."""
         s = self.settings
+        model = self.models[worker.model or self.default_model]
         env = dict(os.environ)
         env.update({
             "DLS_NATS_URL": s.nats_url,
@@ -350,13 +350,12 @@ class NodeAgent:
             "DLS_WORKER_NODE": self.node,
             "DLS_WORKER_GPU_IDS": json.dumps(list(worker.gpu_ids)),
             "DLS_WORKER_TP": str(worker.tp),
-            "DLS_WORKER_MODEL_DIR": self.model_dirs[worker.model or self.default_model],
+            "DLS_WORKER_MODEL_DIR": model.directory,
+            "DLS_CALIBRATION_DIR": model.calibration_dir,  # the first model's setting; "": inside its directory
             VISIBLE_DEVICES: pin(worker.gpu_ids, os.environ.get(VISIBLE_DEVICES)),
             # scheduler shards take the node's slots in turn (a hash of a few instance ids can leave one empty)
             "DLS_WORKER_SHARD": str((worker.gpu_ids[0] // worker.tp if worker.gpu_ids else 0) % s.scheduler_shards),
         })
-        if worker.model not in ("", self.default_model):  # as in the gateway: DLS_CALIBRATION_DIR is the first model's
-            env["DLS_CALIBRATION_DIR"] = ""  # its calibration is inside its own directory
         if s.otel_endpoint:
             env["DLS_OTEL_ENDPOINT"] = s.otel_endpoint
         if "OTEL_SERVICE_NAME" in env:  # the agent's own name is inherited otherwise

@@ -33,9 +33,10 @@ def test_the_served_models_come_from_the_agents_own_setting_else_the_shared_ones
 
 
 def test_models_are_named_by_basename_and_two_of_one_name_are_refused():
-    assert served_models(["/m/a", "/n/b"]) == {"a": "/m/a", "b": "/n/b"}
+    served = served_models(NodeAgentSettings(model_dirs="/m/a,/n/b"))
+    assert {name: model.directory for name, model in served.items()} == {"a": "/m/a", "b": "/n/b"}
     with pytest.raises(AgentError, match=r"DLS_NODE_AGENT_MODEL_DIRS .*: /m/a and /n/a are both the model 'a'"):
-        served_models(["/m/a", "/n/a"])
+        served_models(NodeAgentSettings(model_dirs="/m/a,/n/a"))
 
 
 def test_boot_workers_take_the_models_in_turn_or_as_the_setting_names_them():
