@@ -41,6 +41,7 @@ from shared.cli import CliError
 from shared.devices import VISIBLE_DEVICES, DeviceError, cuda_problem, pin
 from shared.redis_target import SENTINEL_SCHEME
 from shared.runtime import free_port_range, ports_free
+from shared.served import DuplicateModelName, ServedModelDir, served_models
 from shared.settings import redact_urls
 from shared.subjects import DEFAULT_PREFIX
 
@@ -233,21 +234,24 @@ def worker_placement(args) -> Placement:
     return Placement(device, tps, gpus)
 
 
-def model_dirs(args) -> list[str]:
-    """The served models' directories, in ``--model`` order; ``CliError`` for two of one name (a model's
-    name is its directory's basename) or a directory DLS_MODEL_DIRS cannot list."""
+def stack_models(args) -> list[ServedModelDir]:
+    """The served models, in ``--model`` order (``shared.served``: each named by its directory's basename,
+    ``--calibration`` the first's); ``CliError`` for two of one name or a directory DLS_MODEL_DIRS cannot
+    list."""
     model = getattr(args, "model", None)
     dirs = [model] if isinstance(model, str) else list(model or [DEFAULT_MODEL_DIR])
-    name_to_dir: dict[str, str] = {}  # model name -> its directory
     for directory in dirs:
-        name = Path(directory).name
         if "," in directory:
             raise CliError(f"--model: {directory} has a comma in it (DLS_MODEL_DIRS is comma-separated): rename it")
-        if name in name_to_dir:
-            raise CliError(f"--model: {name_to_dir[name]} and {directory} are both the model {name!r} (a model's "
-                           "name is its directory's basename): rename one, or give a copy another name")
-        name_to_dir[name] = directory
-    return dirs
+    try:
+        return served_models(dirs, getattr(args, "calibration", ""), "--model")
+    except DuplicateModelName as exc:
+        raise CliError(str(exc)) from None
+
+
+def model_dirs(args) -> list[str]:
+    """The served models' directories, in ``--model`` order (``stack_models``)."""
+    return [m.directory for m in stack_models(args)]
 
 
 def _workers_per_model(args) -> list[int] | None:
@@ -271,7 +275,7 @@ def worker_models(args, num_workers: int) -> list[str]:
     """The model (name) of each of the node agent's first ``num_workers`` workers, in order: as
     ``--workers-per-model`` divides them, else the models in turn; ``CliError`` when they do not add up,
     or (in turn) a model would get none."""
-    names = [Path(d).name for d in model_dirs(args)]
+    names = [m.name for m in stack_models(args)]
     counts = _workers_per_model(args)
     if counts is None:
         if num_workers < len(names):
@@ -447,9 +451,9 @@ def describe_calibration(args, placement: Placement, model: str | None = None,
 
 def describe_calibrations(args, placement: Placement) -> dict[str, str]:
     """Model name -> what ``dls up`` says of its calibration (``--calibration`` is the first model's; the
-    others' are inside their directories), in ``--model`` order."""
-    return {Path(d).name: describe_calibration(args, placement, d, None if i == 0 else "")
-            for i, d in enumerate(model_dirs(args))}
+    others' are inside their directories: ``shared.served``), in ``--model`` order."""
+    return {m.name: describe_calibration(args, placement, m.directory, m.calibration_dir)
+            for m in stack_models(args)}
 
 
 def _division_line(names: Iterable[str], models: list[str]) -> str:
