@@ -71,7 +71,7 @@ from services.reconfigurator.core.solver import SolverOptions
 from services.reconfigurator.core.spec import Cluster, Instance, ModelDemand, Workload
 from services.reconfigurator.core.stage1 import Stage1Options
 from services.reconfigurator.core.stage2 import Stage2Options, solve_stage2
-from shared.calibration import of_service, uncalibrated_message
+from shared.calibration import uncalibrated_message
 from shared.leases import LeaseTable
 from shared.messages import codec
 from shared.messages.control import (
@@ -623,7 +623,7 @@ def planning_profile(settings: ReconfiguratorSettings) -> str | None:
     calibration's (``CalibrationMismatch`` when it was made for other weights); None: uncalibrated."""
     if settings.profile:
         return settings.profile
-    calibration = of_service(settings)
+    calibration = served_models_of(settings, "DLS_RECONFIGURATOR_MODEL_DIRS")[0].calibration()
     return str(calibration.profile_path) if calibration is not None else None
 
 
@@ -650,7 +650,7 @@ def loaded_profiles(settings: ReconfiguratorSettings) -> LatencyProfile | dict[s
         path = planning_profile(settings)
         if path is None:  # uncalibrated: no profile of this model to plan with, and another model's would mislead
             logger.warning("%s; the reconfigurator makes no plans for it (the cluster keeps the shape it started "
-                           "with)", uncalibrated_message(settings.model_dir))
+                           "with)", uncalibrated_message(settings.served_model_dirs[0]))
             return None
         return LatencyProfile.load(path)
     paths = planning_profiles(settings)

@@ -32,6 +32,7 @@ from services.worker.decoding.rule import CONFIG_KEY as RULE_KEY
 from services.worker.decoding.rule import DecodingRule, parse_rule
 from services.worker.model.dlm import DLMConfig, DLMForMaskedDiffusion
 from shared.generation import GenerationLimits, read_generation_limits
+from shared.served import model_name
 from shared.tokenizer import TOKENIZER_FILE, CharTokenizer, TokenizerError, load_hf_tokenizer
 
 LLADA_MASK_ID = 126336
@@ -97,7 +98,7 @@ def _load_bundled(directory: Path) -> LoadedModel:
         raise CheckpointError(f"{directory}: cannot load weights ({exc})") from None
     _rule({RULE_KEY: getattr(model.config, RULE_KEY, None)}, directory, DecodingRule.LLADA)  # a bad one: named
     tokenizer = CharTokenizer.from_pretrained(directory) if (directory / TOKENIZER_FILE).exists() else None
-    return LoadedModel(model, tokenizer, _limits(directory), directory.name, "dls")
+    return LoadedModel(model, tokenizer, _limits(directory), model_name(directory), "dls")
 
 
 def _rule(raw: dict, directory: Path, default: DecodingRule) -> DecodingRule:
@@ -230,7 +231,7 @@ def _load_foreign(directory: Path, config: DLMConfig, rename, family: str, trust
     model = model.to_empty(device="cpu")
     model.load_state_dict({k: tensors[k] for k in expected}, strict=True)
     model.to(next(iter(tensors.values())).dtype)
-    return LoadedModel(model, _foreign_tokenizer(directory, trust_remote_code), _limits(directory), directory.name,
+    return LoadedModel(model, _foreign_tokenizer(directory, trust_remote_code), _limits(directory), model_name(directory),
                        family)
 
 
