@@ -23,6 +23,9 @@ def register(subparsers) -> None:
     compare.add_argument("--policies", default=None, help="comma-separated (default: the preset's)")
     compare.add_argument("--plot", default=None, help="write a PNG figure here (needs matplotlib)")
     compare.add_argument("--no-fidelity", action="store_true", help="skip the model-in-the-loop check")
+    compare.add_argument("--switch-s", type=float, default=None, metavar="S",
+                         help="a multi-model preset: every model's switch time (s: deciding to start one of its "
+                              "instances to that instance serving) instead of the preset's")
     compare.set_defaults(func=cmd_compare)
 
     capacity = subparsers.add_parser("capacity", help="highest request rate meeting an SLO-attainment target")
@@ -214,6 +217,8 @@ def cmd_compare(args) -> int:
 
     if args.preset in MULTI_PRESETS:
         return _compare_models(args)
+    if args.switch_s is not None:
+        raise CliError(f"--switch-s: only a multi-model preset ({', '.join(MULTI_PRESETS)}) switches models")
     s = _setup(args)
     labels = args.policies.split(",") if args.policies else list(s.preset.policies)
     _check_policies(labels)
@@ -253,6 +258,11 @@ def _compare_models(args) -> int:
     preset = multimodel.MULTI_PRESETS.get(args.preset)
     if args.quick:
         preset = preset.quick()
+    if args.switch_s is not None:
+        if not (args.switch_s >= 0 and math.isfinite(args.switch_s)):
+            raise CliError(f"--switch-s: must be >= 0, got {args.switch_s}")
+        preset = dataclasses.replace(preset, models=tuple(dataclasses.replace(m, switch_s=args.switch_s)
+                                                          for m in preset.models))
     labels = args.policies.split(",") if args.policies else list(preset.policies)
     unknown = [label for label in labels if label not in multimodel.DIVISIONS]
     if unknown:

@@ -519,6 +519,51 @@ def measured_headlines(load_run) -> str:
     return "\n".join(out) + "\n"
 
 
+def multi_model(data: dict | None, fast: dict | None) -> str:
+    """The multi-model preset (``sim/multimodel.py``): the GPUs divided between two models whose mix flips."""
+    if not data:
+        return ""
+    setup, top = data["setup"], data["points"][-1]
+    names = list(setup["models"])
+    out = ["## Several models: multi-model\n",
+           f"`dls compare --preset multi-model --quick`: {setup['num_gpus']} GPUs, "
+           + ", ".join(f"{n} (SLO {m['slo_s']:.2f} s, switch {m['switch_s']:g} s, shares {m['shares']})"
+                       for n, m in setup["models"].items())
+           + f", phases of {setup['phase_s'][0]:g} s, reconfiguration every {setup['reconfig_period_s']:g} s, "
+             f"at {top['rate_mult']}x the nominal {setup['nominal_capacity_rps']:.1f} req/s "
+             f"({top['rps']:.1f} req/s). Best static split in hindsight: {top.get('best_static_split')} "
+             f"(splits tried: " + ", ".join(f"{t['split'][names[0]]}:{t['split'][names[1]]} "
+                                             f"{100 * t['slo_attainment']:.1f}%" for t in top.get("static_splits", []))
+           + ").\n",
+           "| policy | SLO % | " + " | ".join(f"{n} SLO % | {n} acc % | {n} after flips (of steady)" for n in names)
+           + " | moves |", "|---|---:|" + "---:|---:|---|" * len(names) + "---:|"]
+    for label, s in top["policies"].items():
+        cells = []
+        for n in names:
+            f = s["by_model"][n]
+            flips = ", ".join("-" if x["of_steady"] is None else f"{x['of_steady']:.2f}" for x in f["after_flips"]["flips"])
+            cells.append(f"{100 * f['slo_attainment']:.1f} | {100 * f['accuracy']:.1f} | {flips}")
+        out.append(f"| {label} | {100 * s['slo_attainment']:.1f} | " + " | ".join(cells) + f" | {len(s['reconfigurations'])} |")
+    h = data["headline"]
+    out.append("")
+    lead = ", ".join(f"{_signed(h[k])} points over {k.removeprefix('lead_over_').removesuffix('_pp')}"
+                     for k in h if k.startswith("lead_over_"))
+    gpu = data.get("gpu_hours")
+    saving = (f" Each model alone on the fewest GPUs reaching the attainment DiLaServe gave it: "
+              + ", ".join(f"{n} {p['gpus']}" for n, p in gpu["peak_gpus_by_model"].items())
+              + f" GPUs ({gpu['each_model_its_peak']} GPU-hours against {gpu['dilaserve']}: saving "
+                f"{100 * gpu['saving']:.0f}%).") if gpu else ""
+    out.append(f"DiLaServe's joint division: {lead}.{saving}")
+    if fast:
+        f_top = fast["points"][-1]["policies"]
+        out.append("\nWith a switch of "
+                   f"{next(iter(fast['setup']['models'].values()))['switch_s']:g} s (both models' weights resident, "
+                   "a switch is a drain: `--switch-s`): "
+                   + ", ".join(f"{label} {100 * s['slo_attainment']:.1f}%" for label, s in f_top.items()) + ".")
+    out.append("")
+    return "\n".join(out)
+
+
 def main() -> None:
     pbq = load("paper-bench-quick")
     out = []
@@ -606,6 +651,7 @@ def main() -> None:
     w(above_capacity(runs))
     w(measured_headlines(load))
     w(loss_breakdown({**runs, "paper-bench-quick": pbq}))
+    w(multi_model(load("multi-model-quick"), load("multi-model-quick-switch2")))
     w("## Tables\n")
     for name in ("paper-bench-quick", "paper-bench", *LONG_RUNS, *(n for n, _, _ in TRACE_RUNS), "ablation-threshold-quick",
                  "ablation-loadctl-quick", "ablation-loadctl-long-quick", "ablation-predictor-quick", "ablation-migration-quick", "ablation-cache-quick", "sweep-input-quick",

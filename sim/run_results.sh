@@ -25,4 +25,7 @@ nice -n 10 .venv/bin/dls compare --preset paper-trace --quick --profile $M --tra
 nice -n 10 .venv/bin/dls compare --preset paper-trace --quick --profile $M --trace tests/data/AzureLLMInferenceTrace_code_first10min.csv --json $D/paper-trace-azure-code-quick-h200.json > $D/paper-trace-azure-code-quick-h200.txt 2>&1
 nice -n 10 .venv/bin/dls capacity --preset paper-bench --quick --policy dilaserve --target 0.9 --json $D/capacity-dilaserve.json > $D/capacity.txt 2>&1
 nice -n 10 .venv/bin/dls capacity --preset paper-bench --quick --policy infaas --target 0.9 --json $D/capacity-infaas.json >> $D/capacity.txt 2>&1
+# several models: GPUs divided between two models whose mix flips (sim/multimodel.py), and with a 2-s switch
+nice -n 10 .venv/bin/dls compare --preset multi-model --quick --json $D/multi-model-quick.json > $D/multi-model-quick.txt 2>&1
+nice -n 10 .venv/bin/dls compare --preset multi-model --quick --switch-s 2 --policies dilaserve,per-model --json $D/multi-model-quick-switch2.json > $D/multi-model-quick-switch2.txt 2>&1
 .venv/bin/python -m sim.results_doc  # writes docs/results.md from the JSON files

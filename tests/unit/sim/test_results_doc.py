@@ -57,3 +57,26 @@ def test_measured_headlines_put_each_profile_beside_the_other_and_judge_the_top_
     assert ("- paper-bench (quick) at 2.0x: modelled ahead (+50.0 / +40.0 pp); measured NOT ahead "
             "(+0.0 / +5.0 pp).") in text
     assert results_doc.measured_headlines({"paper-bench-quick": runs["paper-bench-quick"]}.get) == ""
+
+
+def test_multi_model_section_has_each_models_figures_and_the_leads():
+    def run(slo: float, a: float, b: float, moves: int) -> dict:
+        def fig(x: float) -> dict:
+            return {"slo_attainment": x, "accuracy": 0.99,
+                    "after_flips": {"steady": x, "flips": [{"of_steady": 0.9}, {"of_steady": None}]}}
+        return {"slo_attainment": slo, "by_model": {"a": fig(a), "b": fig(b)}, "reconfigurations": [{}] * moves}
+
+    data = {"setup": {"num_gpus": 32, "phase_s": [240.0] * 3, "reconfig_period_s": 10.0, "nominal_capacity_rps": 30.0,
+                      "models": {"a": {"slo_s": 4.0, "switch_s": 45.0, "shares": [0.8, 0.2]},
+                                 "b": {"slo_s": 9.0, "switch_s": 40.0, "shares": [0.2, 0.8]}}},
+            "points": [{"rate_mult": 1.2, "rps": 36.0, "best_static_split": {"a": 16, "b": 16},
+                        "static_splits": [{"split": {"a": 16, "b": 16}, "slo_attainment": 0.9}],
+                        "policies": {"static": run(0.9, 0.88, 0.92, 0), "dilaserve": run(0.95, 0.94, 0.96, 5)}}],
+            "headline": {"lead_over_static_pp": 5.0},
+            "gpu_hours": {"peak_gpus_by_model": {"a": {"gpus": 20}, "b": {"gpus": 20}}, "each_model_its_peak": 2.67,
+                          "dilaserve": 2.13, "saving": 0.2}}
+    text = results_doc.multi_model(data, None)
+    assert "splits tried: 16:16 90.0%" in text
+    assert "| dilaserve | 95.0 | 94.0 | 99.0 | 0.90, - | 96.0 | 99.0 | 0.90, - | 5 |" in text
+    assert "+5.0 points over static" in text and "saving 20%" in text
+    assert results_doc.multi_model(None, None) == ""
