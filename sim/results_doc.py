@@ -549,7 +549,7 @@ def multi_model(data: dict | None, fast: dict | None) -> str:
     lead = ", ".join(f"{_signed(h[k])} points over {k.removeprefix('lead_over_').removesuffix('_pp')}"
                      for k in h if k.startswith("lead_over_"))
     gpu = data.get("gpu_hours")
-    saving = (f" Each model alone on the fewest GPUs reaching the attainment DiLaServe gave it: "
+    saving = (" Each model alone on the fewest GPUs reaching the attainment DiLaServe gave it: "
               + ", ".join(f"{n} {p['gpus']}" for n, p in gpu["peak_gpus_by_model"].items())
               + f" GPUs ({gpu['each_model_its_peak']} GPU-hours against {gpu['dilaserve']}: saving "
                 f"{100 * gpu['saving']:.0f}%).") if gpu else ""
