@@ -21,6 +21,17 @@ def test_unknown_policy_names_the_field():
         _run(["compare", "--preset", "tiny", "--policies", "dilaserve,fifo"])
 
 
+def test_multi_model_compare_names_what_it_refuses():
+    with pytest.raises(cli.CliError, match="--policies: 'nope' is not one of dilaserve"):
+        _run(["compare", "--preset", "multi-model", "--quick", "--policies", "dilaserve,nope"])
+    with pytest.raises(cli.CliError, match="--switch-s: must be >= 0"):
+        _run(["compare", "--preset", "multi-model", "--quick", "--switch-s", "-1"])
+    with pytest.raises(cli.CliError, match="--trace: not supported by the multi-model preset"):
+        _run(["compare", "--preset", "multi-model", "--trace", "x.csv"])
+    with pytest.raises(cli.CliError, match="--switch-s: only a multi-model preset"):
+        _run(["compare", "--preset", "tiny", "--switch-s", "2"])
+
+
 def test_bad_target_and_missing_trace():
     with pytest.raises(cli.CliError, match="--target"):
         _run(["capacity", "--preset", "tiny", "--target", "1.5"])
