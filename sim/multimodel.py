@@ -46,7 +46,7 @@ from shared.profiles import LatencyProfile
 from sim.cluster import ClusterSpec, SimCluster, initial_placement
 from sim.engines import DEFAULT_MODEL_DIR, ENGINES
 from sim.experiments import DEFAULT_PROFILE, Setup, nominal_capacity, policy_config, setup
-from sim.metrics import SimRequestRecord, summarize
+from sim.metrics import SimRequestRecord, attainment_over_time, summarize
 from sim.presets import Preset
 from sim.registry import Registry
 from sim.simulator import Simulator, VirtualClock
@@ -262,19 +262,9 @@ def _model_figures(ms: MultiSetup, records: list[SimRequestRecord]) -> dict:
     s = summarize(records)
     out = {k: s[k] for k in ("num_requests", "slo_attainment", "accuracy", "mean_latency_s", "p99_latency_s",
                              "mean_threshold")}
-    out["attainment_over_time"] = _attainment_bins(records, ms.preset.flip_bin_s)
+    out["attainment_over_time"] = attainment_over_time(records, ms.preset.flip_bin_s)["slo_attainment"]
     out["after_flips"] = after_flips(records, ms.preset.flips_s)
     return out
-
-
-def _attainment_bins(records: list[SimRequestRecord], bin_s: float) -> list[float | None]:
-    num_bins = int(max(r.arrival_s for r in records) // bin_s) + 1
-    met, total = np.zeros(num_bins), np.zeros(num_bins)
-    for r in records:
-        i = int(r.arrival_s // bin_s)
-        total[i] += 1
-        met[i] += r.met_slo
-    return [round(float(m / t), 4) if t else None for m, t in zip(met, total, strict=True)]
 
 
 def after_flips(records: list[SimRequestRecord], flips_s: list[float]) -> dict:
