@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import AliasChoices, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from shared.messages.base import CacheMode
 from shared.messages.codec import DEFAULT_MAX_PAYLOAD_BYTES
 from shared.pipelining import DEFAULT_HELD_REPEATS
 from shared.served import model_name
@@ -413,6 +414,18 @@ class ReconfiguratorSettings(ServesModels, ServiceSettings):
                         "step-latency profile file (with several models: every one is planned with it, as the "
                         "workers of `dls up --pace` all step at its times); empty: each served model's "
                         "calibration's")
+    profile_scale: float = _own("reconfigurator", "profile_scale", 1.0,
+                                "multiply the planning profile's latencies by this, every served model's (as the "
+                                "workers' DLS_WORKER_PACE_SCALE and DLS_GATEWAY_PROFILE_SCALE; `dls up --pace-scale` "
+                                "sets it)", gt=0)
+    block_length: int | None = _own("reconfigurator", "block_length", None,
+                                    "block length the workload monitor counts steps in (keep it what requests get); "
+                                    "unset: each served model's default block (its training_info.json, as the "
+                                    "gateway's for a request that sets none; 32 where it records none)", gt=0)
+    cache: CacheMode = _own("reconfigurator", "cache", CacheMode.DUAL,
+                            "KV cache mode the workload monitor counts steps for: none (every step a full forward) "
+                            "or prefix / dual (a full forward per block, cache steps between; prefix is planned as "
+                            "dual); default dual, what a request that names no cache gets")
     improvement_margin: float = _own("reconfigurator", "improvement_margin", 0.1,
                                      "apply a plan only when Stage 1 improves by this fraction", ge=0)
     solver_time_limit_s: float = _own("reconfigurator", "solver_time_limit_s", 30.0, "HiGHS time limit", gt=0)

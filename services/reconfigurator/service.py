@@ -19,6 +19,12 @@
   ``enabled`` says. The periodic loop may later move away from that shape again: run with
   ``enabled = false`` to keep a manual configuration.
 
+No plan while the service is stopping, nor while no instance is READY (the cluster starting, or
+draining at shutdown) and a plan would serve no one: some instance is DRAINING, no arrival came within
+the monitor's memory, or (several models) no model with arrivals lacks a running instance
+(``_idle_reason``). The plans cost requests with the profile times ``profile_scale`` and the monitor's
+block length and cache mode (``monitor_settings``: the settings, else each model's default block).
+
 The cluster (nodes and their GPUs) comes from the ``cluster`` setting (see ``parse_cluster_spec``) or,
 when unset, from the nodes and GPUs seen in heartbeats.
 
@@ -72,8 +78,10 @@ from services.reconfigurator.core.spec import Cluster, Instance, ModelDemand, Wo
 from services.reconfigurator.core.stage1 import Stage1Options
 from services.reconfigurator.core.stage2 import Stage2Options, solve_stage2
 from shared.calibration import uncalibrated_message
+from shared.generation import read_generation_limits
 from shared.leases import LeaseTable
 from shared.messages import codec
+from shared.messages.base import CacheMode
 from shared.messages.control import (
     ApplyConfiguration,
     ApplyConfigurationReply,
@@ -222,6 +230,19 @@ def model_demands(settings: ReconfiguratorSettings, profiles: Mapping[str, Laten
             for model, profile in profiles.items()]
 
 
+def monitor_settings(settings: ReconfiguratorSettings) -> dict[str, MonitorSettings]:
+    """Each served model's workload monitor settings (model name -> them), in serving order: the window
+    settings, the cache mode (``DLS_RECONFIGURATOR_CACHE``) and the block length the planner counts steps
+    in (``DLS_RECONFIGURATOR_BLOCK_LENGTH``, else the model's default block from its directory, as the
+    gateway gives a request that sets none). ``ValueError`` naming a model's unusable lengths file."""
+    common = dict(window_s=settings.window_s, min_window_s=min(10.0, settings.window_s),
+                  kv_cache=settings.cache != CacheMode.NONE,  # prefix is planned as dual: one cache-step curve
+                  **({} if settings.peak_windows is None else {"peak_windows": settings.peak_windows}))
+    return {model_name(d): MonitorSettings(block_length=settings.block_length or
+                                           read_generation_limits(d).block_length, **common)
+            for d in settings.served_model_dirs}
+
+
 def operator_plan(plan_id: str, instances_by_tp: dict[int, int], placement: PlacementPlan,
                   created_at: float) -> ReconfigPlan:
     """An operator's shape placed by Stage 2 (no Stage 1: no batch sizes or objective)."""
@@ -276,6 +297,7 @@ class ReconfiguratorService:
         self.configured = parse_cluster_spec(settings.cluster, self.tp_degrees) if settings.cluster else None
         self.plan_ids = plan_ids()
         self.stage2 = Stage2Options(SolverOptions(time_limit_s=settings.solver_time_limit_s, mip_rel_gap=0.0))
+        self.model_to_monitor = monitor_settings(settings)  # served model name -> its workload monitor's settings
         self.core = self._make_core()
         self.leases = LeaseTable()  # the instances heard within their lease (counted from receipt)
         self.node_to_seen_gpu_ids: dict[str, set[int]] = {}  # node -> GPUs its instances held (default cluster)
@@ -292,20 +314,23 @@ class ReconfiguratorService:
         self._tasks: list[asyncio.Task] = []
         self._out_of_period: asyncio.Task | None = None  # a step for a model to start, pending or running
         self.num_out_of_period_steps = 0
+        self.last_arrival_at: float | None = None  # when the latest arrival (of any model) was received
+        self.stopping = False  # stop() began: no more plans
         self.metrics = ReconfiguratorMetrics()
         self._tracer = tracer("dls.reconfigurator")
 
     def _make_core(self) -> Reconfigurator | ModelsReconfigurator:
         settings = self.settings
-        monitor = MonitorSettings(window_s=settings.window_s, min_window_s=min(10.0, settings.window_s),
-                                  **({} if settings.peak_windows is None else {"peak_windows": settings.peak_windows}))
+        model_to_monitor = self.model_to_monitor
         options = PlannerOptions(stage1=Stage1Options(solver=SolverOptions(time_limit_s=settings.solver_time_limit_s),
                                                       kv_budget_bytes=settings.kv_budget_bytes),
                                  stage2=self.stage2)
         common = dict(margin=settings.improvement_margin, ack_timeout_s=settings.ack_timeout_s, plan_ids=self.plan_ids)
         if not self.models:
+            monitor = next(iter(model_to_monitor.values()))
             return Reconfigurator(self.profile, self.clock, monitor, options, **common)
-        return ModelsReconfigurator(model_demands(settings, self.profiles), self.clock, monitor, options, **common)
+        return ModelsReconfigurator(model_demands(settings, self.profiles), self.clock, model_to_monitor, options,
+                                    **common)
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -328,6 +353,7 @@ class ReconfiguratorService:
             f"{d.name} (switch {d.switch_s:g} s, at least {d.min_instances})" for d in demands)
 
     async def stop(self) -> None:
+        self.stopping = True  # a step in flight publishes nothing now
         tasks = [*self._tasks, *([self._out_of_period] if self._out_of_period else [])]
         for task in tasks:
             task.cancel()
@@ -361,6 +387,8 @@ class ReconfiguratorService:
             return
         events = [(arrival_event(a), a.model) for a in stats.arrivals]
         self.num_arrivals += len(events)
+        if events:
+            self.last_arrival_at = self.clock()
         if self._held_arrivals is not None:  # the core is stepping in a thread: feed them afterwards
             self._held_arrivals.extend(events)
         else:
@@ -385,7 +413,7 @@ class ReconfiguratorService:
 
     def _plan_now(self, why: str) -> None:
         """One out-of-period step, unless one is pending already (it sees every arrival held so far)."""
-        if self._out_of_period is not None and not self._out_of_period.done():
+        if self.stopping or (self._out_of_period is not None and not self._out_of_period.done()):
             return
         self.num_out_of_period_steps += 1
         logger.info("planning now, out of period: %s", why)
@@ -497,6 +525,33 @@ class ReconfiguratorService:
         plan = next(iter(self.awaited.values()))
         return f"plan {plan.plan_id} is still waiting for acknowledgement from {sorted(plan.node_ids)}"
 
+    def _idle_reason(self, running_models: dict[Instance, str]) -> str | None:
+        """Why no plan is made although the cluster is known: the service is stopping, or no instance is
+        READY (the cluster is starting, draining at shutdown, or empty) and a plan would serve no one: no
+        arrivals, or (several models) no model with arrivals that lacks an instance (on an empty cluster,
+        only such a model is planned for: scale from zero). None: plan."""
+        if self.stopping:
+            return "the service is stopping"
+        num_by_status = Counter(lease.heartbeat.status for lease in self.leases)  # status -> live instances
+        if num_by_status[WorkerStatus.READY]:
+            return None
+        if num_by_status[WorkerStatus.DRAINING]:
+            return f"no instance is READY and {num_by_status[WorkerStatus.DRAINING]} are draining"
+        if self.models:
+            if self.core.models_to_start(running_models):
+                return None
+            return "no instance is READY and every model with arrivals has one starting, or none has arrivals"
+        if self._has_arrivals():
+            return None
+        return "no instance is READY and no arrivals"
+
+    def _has_arrivals(self) -> bool:
+        """An arrival received within the monitor's memory (``peak_windows`` windows), whose rates plan."""
+        if self.last_arrival_at is None:
+            return False
+        monitor = next(iter(self.model_to_monitor.values()))
+        return self.clock() - self.last_arrival_at < monitor.window_s * max(1, monitor.peak_windows)
+
     # --- plans -----------------------------------------------------------------------------------
 
     async def step(self) -> PlanningRound | ModelsRound | None:
@@ -511,6 +566,10 @@ class ReconfiguratorService:
                 logger.info("no reconfiguration this period: no node known yet (set %s or start workers)",
                             CLUSTER_SETTING)
                 return None
+            idle = self._idle_reason(running_models)
+            if idle is not None:
+                logger.info("no reconfiguration this period: %s", idle)
+                return None
             self._held_arrivals = []
             try:
                 result = await asyncio.to_thread(self._core_step, cluster, running_models)
@@ -519,6 +578,10 @@ class ReconfiguratorService:
                 for event, model in held:
                     self.core.observe(event, model)
             plan = result.plan_to_apply
+            if plan is not None and self.stopping:  # stop() came while the core stepped
+                logger.info("plan %s not published: the service is stopping", plan.plan_id)
+                self.core.acknowledge(plan.plan_id)
+                return result
             logger.info("reconfiguration: %s (%s)", "apply " + plan.plan_id if plan else "keep", result.decision.reason)
             if plan is not None:
                 wire = self._wire(plan)
@@ -652,14 +715,22 @@ def loaded_profiles(settings: ReconfiguratorSettings) -> LatencyProfile | dict[s
             logger.warning("%s; the reconfigurator makes no plans for it (the cluster keeps the shape it started "
                            "with)", uncalibrated_message(settings.served_model_dirs[0]))
             return None
-        return LatencyProfile.load(path)
+        return scaled(LatencyProfile.load(path), settings.profile_scale)
     paths = planning_profiles(settings)
     uncalibrated = [d for d, path in zip(settings.served_model_dirs, paths.values(), strict=True) if path is None]
     for model_dir in uncalibrated:
         logger.warning("%s; the reconfigurator makes no plans while any served model is uncalibrated: the GPUs stay "
                        "divided as they started (or set DLS_RECONFIGURATOR_PROFILE to plan every model with one "
                        "profile)", uncalibrated_message(model_dir))
-    return None if uncalibrated else {name: LatencyProfile.load(path) for name, path in paths.items()}
+    if uncalibrated:
+        return None
+    return {name: scaled(LatencyProfile.load(path), settings.profile_scale) for name, path in paths.items()}
+
+
+def scaled(profile: LatencyProfile, scale: float) -> LatencyProfile:
+    """``profile`` with its latencies times ``DLS_RECONFIGURATOR_PROFILE_SCALE`` (paced workers step at the
+    pace profile's times this many times over: planned at 1x, the cluster looks ``scale`` times faster)."""
+    return profile if scale == 1.0 else profile.scaled(scale)
 
 
 async def serve(settings: ReconfiguratorSettings) -> None:

@@ -185,6 +185,8 @@ def test_observe_only_publishes_nothing(nats_server, unique_prefix):
         service = ReconfiguratorService(settings(nats_server.url, unique_prefix, enabled=False), nc,
                                         LatencyProfile.load(PROFILE))
         await service.start(periodic=False)
+        await nc.publish(Subjects(unique_prefix).stats, stats(20))  # nothing runs, and arrivals: a plan to start
+        await until(lambda: service.num_arrivals == 20, "the stats")
         first, second = await service.step(), await service.step()
         assert first.plan_to_apply is not None and second.plan_to_apply is not None  # the core is never blocked
         assert service.num_plans_published == 0 and not service.awaited
