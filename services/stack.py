@@ -51,6 +51,8 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 SERVICES = ("scheduler", "predictor", "reconfigurator", "node_agent", "gateway")  # start order
 UNCALIBRATED = "calibration: NONE"
 METRICS_BASE_PORT = 9100  # /metrics of the services on one host: base + position in SERVICES (see metrics_env)
+RECONFIGURATOR_PROFILE = "DLS_RECONFIGURATOR_PROFILE"
+RECONFIGURATOR_PROFILE_SCALE = "DLS_RECONFIGURATOR_PROFILE_SCALE"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -72,7 +74,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--pace", default=None, metavar="PROFILE",
                    help="pace workers to a latency profile (e.g. profiles/llada-8b-h100.json) to emulate GPUs")
     p.add_argument("--pace-scale", type=float, default=1.0,
-                   help="multiply paced step times (e.g. 10.8: one bundled-model step as ~11 LLaDA-8B steps)")
+                   help="multiply paced step times (e.g. 10.8: one bundled-model step as ~11 LLaDA-8B steps); the "
+                        "reconfigurator plans with the pace profile at this scale too")
     p.add_argument("--pace-context", type=int, default=None, metavar="TOKENS",
                    help="paced latencies apply at this context; steps scale by their requests' context "
                         "(as the simulator, whose anchor sim.json reports as profile_anchor_context_tokens)")
@@ -339,7 +342,6 @@ def service_env(args, nats_url: str, redis_url: str, placement: Placement | None
         "DLS_SCHEDULER_SHARDS": str(args.schedulers),
         "DLS_SCHEDULER_PROFILE": profile,
         "DLS_SCHEDULER_MODEL_DIR": model,
-        "DLS_RECONFIGURATOR_PROFILE": profile,
         "DLS_RECONFIGURATOR_CLUSTER": json.dumps({"nodes": {"local": placement.num_slots}}),
         "DLS_NODE_AGENT_NODE": "local",
         "DLS_NODE_AGENT_GPU_IDS": json.dumps(list(range(placement.num_slots))),
@@ -356,6 +358,7 @@ def service_env(args, nats_url: str, redis_url: str, placement: Placement | None
             env[VISIBLE_DEVICES] = pin(placement.gpus, os.environ.get(VISIBLE_DEVICES))
         except DeviceError as exc:
             raise CliError(f"--gpus: {exc}") from None
+    env.update(reconfigurator_planning(args.pace, args.pace_scale, os.environ))
     if args.pace:
         env["DLS_WORKER_PACE_PROFILE"] = args.pace
         env["DLS_WORKER_PACE_SCALE"] = env["DLS_GATEWAY_PROFILE_SCALE"] = str(args.pace_scale)
@@ -364,6 +367,27 @@ def service_env(args, nats_url: str, redis_url: str, placement: Placement | None
     elif args.pace_scale != 1.0 or args.pace_context:
         raise CliError("--pace-scale and --pace-context need --pace")
     return env
+
+
+def reconfigurator_planning(pace: str | None, pace_scale: float, environ) -> dict[str, str]:
+    """What the reconfigurator plans with, as the settings to add to its environment: with ``--pace``, the
+    pace profile at ``--pace-scale`` (the step times the paced workers take); a ``DLS_RECONFIGURATOR_PROFILE``
+    set in ``environ`` is kept instead (with its own ``DLS_RECONFIGURATOR_PROFILE_SCALE``, default 1: a
+    profile of one's own, such as one with the live stack's per-step overhead, is not the pace profile).
+    Without ``--pace``, nothing: the environment's settings stand, else each model's calibration's profile.
+    ``CliError`` naming both when the environment's scale disagrees with ``--pace-scale`` on the pace profile."""
+    own, own_scale = environ.get(RECONFIGURATOR_PROFILE, ""), environ.get(RECONFIGURATOR_PROFILE_SCALE, "")
+    if not pace or (own and own != pace):
+        return {}
+    try:
+        differs = bool(own_scale) and float(own_scale) != pace_scale
+    except ValueError:
+        raise CliError(f"{RECONFIGURATOR_PROFILE_SCALE}={own_scale} in the environment is not a number") from None
+    if differs:
+        raise CliError(f"{RECONFIGURATOR_PROFILE_SCALE}={own_scale} in the environment and --pace-scale {pace_scale:g}: "
+                       f"the reconfigurator would plan with {pace} at another scale than the workers step at; unset "
+                       f"{RECONFIGURATOR_PROFILE_SCALE} (or set {RECONFIGURATOR_PROFILE} to a profile of its own)")
+    return {RECONFIGURATOR_PROFILE: pace, RECONFIGURATOR_PROFILE_SCALE: str(pace_scale)}
 
 
 def keep_apart(env: dict[str, str], shared_servers: list[str], port: int, num_slots: int) -> list[str]:
