@@ -612,6 +612,8 @@ def main(argv: list[str] | None = None) -> int:
                 "DLS_RECONFIGURATOR_WINDOW_S": str(args.period_s), "DLS_RECONFIGURATOR_PEAK_WINDOWS": "1",
                 "DLS_RECONFIGURATOR_SWITCH_S": pairs(args.switch_s),
                 "DLS_RECONFIGURATOR_MIN_INSTANCES": pairs({args.models[0]: 1, args.models[1]: 0}),
+                # the clients send cache none: the monitor must count every step as a full forward
+                "DLS_RECONFIGURATOR_CACHE": "none",
                 "DLS_NODE_AGENT_OVERLAP_SWITCH": "on"}
     static = {**common, "DLS_RECONFIGURATOR_ENABLED": "false"}
     report["config"] = {
