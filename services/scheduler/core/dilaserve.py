@@ -214,6 +214,13 @@ class DiLaServePolicy:
         stays = self.placer.stay_at_block_start(PlacementScratch(view.table), requests, inst.row)
         return {r.request_id for r, stay in zip(requests, stays, strict=True) if stay}
 
+    def provisional(self, request: Request) -> bool:
+        """A request's first step runs at load control's cap, before any prediction
+        (``unpredicted_at_max``); the pass after that step plans its threshold with the first
+        prediction."""
+        return (self.config.unpredicted_at_max and len(self.grid.values) > 1
+                and request.prediction is None and request.num_steps_done == 0)
+
     # bookkeeping
 
     def _admit(self, view: ClusterView, decisions: Decisions) -> None:

@@ -148,6 +148,14 @@ class SchedulingLoop:
         would_stay = getattr(self.policy, "would_stay", None)
         return would_stay(self.view, instance_id, request_ids) if would_stay is not None else set()
 
+    def provisional(self, request: Request) -> bool:
+        """Whether the policy holds ``request``'s threshold only until its next pass re-plans it (the
+        first step's, chosen before any prediction; ``StepScheduler`` then holds no command ahead of a
+        short request's step). False for policies that cannot say (their thresholds never change
+        between passes)."""
+        provisional = getattr(self.policy, "provisional", None)
+        return bool(provisional(request)) if provisional is not None else False
+
     def on_prediction(self, now: float, request_id: str, prediction: Prediction) -> None:
         """A prediction that arrived on its own; used when the request is next re-planned."""
         self.view.set_prediction(request_id, prediction)

@@ -16,7 +16,8 @@ migration. Around it, this module decides what a step *is* and when it goes:
   to have gone on by itself (the critical path), and again when ``replan`` changed a threshold or a
   request was placed there meanwhile (it joins the held step). So a pipelined step runs at the
   thresholds replanned after the step before last (two before, when the replanned command comes
-  after the step it follows has ended);
+  after the step it follows has ended). Not after a short answer's first step, whose threshold is
+  provisional (``_waits_for_plan``): its second step waits for the pass that plans it;
 - **catch-up**: a worker that went on by itself (``BatchOutcome.continued_step_id``) is mirrored in
   the view at the thresholds it ran; a lost or failed step is re-run once the driver has reloaded the
   request's stored state (``reloaded``: counters catch up with steps stored but never reported).
@@ -521,7 +522,8 @@ class StepScheduler:
 
     def _held_pairs(self, instance_id: str, st: InstanceSteps) -> list[tuple[str, float, bool]] | None:
         """The held command's (request id, threshold, may start a block) items for the step after the
-        running one, or None where a pass could place something else there (``_send_next``)."""
+        running one, or None where a pass could place something else there (``_send_next``) or a
+        request of the step waits for its plan (``_waits_for_plan``)."""
         inst = self.view.instances.get(instance_id)
         if inst is None or not inst.alive or (self.view.num_queued > 0 and inst.batch < inst.max_batch):
             return None
@@ -534,7 +536,7 @@ class StepScheduler:
         for rid in st.in_flight_ids:
             r = self.view.requests.get(rid)
             if (r is None or r.reloading or r.instance_id != instance_id or r.status != RequestStatus.RUNNING
-                    or r.threshold is None):
+                    or r.threshold is None or self._waits_for_plan(r)):
                 return None
             pairs.append((rid, float(r.threshold), rid in stays))
         for rid in joining:
@@ -543,6 +545,14 @@ class StepScheduler:
                 return None
             pairs.append((rid, float(r.threshold), False))
         return pairs
+
+    def _waits_for_plan(self, request: Request) -> bool:
+        """A request whose step runs at a provisional threshold (its first, before any prediction:
+        ``SchedulingLoop.provisional``) with fewer tokens to go than overlap continues (a short answer,
+        whose blocks take a few steps): its next step waits for the pass that plans it with its first
+        prediction instead of going on at the stale threshold, which would be most of its block. A
+        longer one goes on (one stale step among many: overlap's own trade for the pass's latency)."""
+        return request.num_remaining_tokens < self.config.overlap_min_tokens and self.loop.provisional(request)
 
     def _check_drained(self, now: float, instance_id: str) -> StepDecisions:
         """A draining instance with no request left and no step in flight leaves the view."""

@@ -15,16 +15,24 @@ from services.scheduler.core import (
     StoredProgress,
     make_policy,
 )
-from tests.unit.scheduler.sched_builders import make_request, make_view, toy_profile
+from tests.unit.scheduler.sched_builders import make_request, make_view, toy_profile, uniform_prediction
 
 NO_OVERLAP = StepConfig(overlap_min_tokens=0, pipelining=False)
 OVERLAP_ONLY = StepConfig(overlap_min_tokens=32, pipelining=False)
 PIPELINED = StepConfig(overlap_min_tokens=32, pipelining=True)
 
 
-def make_core(config: StepConfig, num_instances: int = 1, policy: str = "dilaserve") -> StepScheduler:
+# The step mechanics below follow requests from their first step on: DiLaServe's first step before any
+# prediction (``unpredicted_at_max``) would hold their second steps for the pass, so these tests plan
+# every step with Algorithm 1 (the rule for the first step is tested on its own, under "pipelining").
+MECHANICS = {"unpredicted_at_max": False}
+
+
+def make_core(config: StepConfig, num_instances: int = 1, policy: str = "dilaserve",
+              policy_config: dict | None = None) -> StepScheduler:
     view = make_view(toy_profile(), [1] * num_instances)
-    return StepScheduler(SchedulingLoop(make_policy(policy, rng=0), view), config, first_step_id=100)
+    options = MECHANICS if policy_config is None and policy == "dilaserve" else policy_config
+    return StepScheduler(SchedulingLoop(make_policy(policy, options, rng=0), view), config, first_step_id=100)
 
 
 def arrive(core: StepScheduler, *ids: str, now: float = 0.0, **kwargs):
@@ -197,6 +205,37 @@ def test_pipelining_holds_the_step_after_the_running_one_where_no_pass_could_cha
         ("a", False), ("b", False), ("c", False), ("d", True)]
     assert nxt.items[-1].state_version == 1  # its stored version: it did not step
     assert not nxt.drop_finished  # e waits for a finished request's slot
+
+
+def test_a_short_answer_at_a_provisional_threshold_holds_no_step_after_its_first_until_its_pass():
+    """The first step runs at load control's cap before any prediction (``unpredicted_at_max``). For a
+    short answer (fewer tokens than overlap continues) the step after it is not sent ahead at that
+    cap, which would be most of its block: the pass after the first step plans it with the first
+    prediction, and from there on steps are held ahead as usual. A long answer goes on at once."""
+    core = make_core(PIPELINED, policy_config={})  # DiLaServe's defaults
+    out = arrive(core, "r0", "r1", slo_s=2.0, gen_len=16, block_len=8)
+    [first], [wait] = plain(out), held(out)
+    top = first.items[0].threshold
+    assert wait.items == [] and wait.after_step_id == first.step_id  # wait for the pass, do not repeat
+    assert all(core.loop.provisional(core.view.requests[r]) for r in ("r0", "r1"))
+    early = core.on_results(0.1, [report(first)])
+    assert plain(early.decisions) == []
+    values = core.loop.policy.grid.values  # the top takes many steps, the lowest few
+    steep = uniform_prediction({t: (0, 2 + int(400 * (t - min(values)))) for t in values})
+    rest = core.finish_results(0.1, early.pending, {"r0": steep, "r1": steep})
+    [second] = plain(rest)
+    assert all(it.threshold < top for it in second.items)  # planned: the SLO is tight
+    assert not any(core.loop.provisional(core.view.requests[r]) for r in ("r0", "r1"))
+    [after] = held(rest)  # the third step goes ahead again, at the planned thresholds
+    assert after.after_step_id == second.step_id and [it.threshold for it in after.items] == [
+        it.threshold for it in second.items]
+
+    long = make_core(PIPELINED, policy_config={})
+    out = arrive(long, "a", slo_s=2.0)  # 256 tokens: one stale step among many
+    assert [len(c.items) for c in held(out)] == [1]
+    fixed = make_core(PIPELINED, policy="infaas")  # thresholds that no pass changes: held at once
+    out = arrive(fixed, "a", gen_len=16, block_len=8)
+    assert [len(c.items) for c in held(out)] == [1]
 
 
 def test_a_request_placed_while_an_instance_runs_joins_its_held_step():
