@@ -14,13 +14,22 @@ recovered from it.
 | ``reconfig_plan`` | ask the reconfigurator (``reconfig.apply``) for 3 or 2 TP-1 instances, whichever differs | the node agent acked it and that many workers are READY |
 
 Then, for every kind, the recovery lasts until a request completes after that point (the cluster
-serves end to end again): the load goes on past its duration while a fault is still to be seen
-recovering (``OpenLoopLoad.run``'s ``keep_going``). A fault whose part came back after the load
-stopped all the same (it ran out of extra time) could not be judged: it is reported apart
-(``Fault.judged``), not as unrecovered. Which workers are READY the injector hears itself, from the heartbeats
-(``shared.leases.LeaseTable``, as the services do). Kinds share groups (the node agent's workers: ``worker_*`` but skew, and
-plans; plans also need the reconfigurator): one fault per group at a time, at most ``MAX_ACTIVE`` at
-once, and the kind least used so far goes first among those that may go (ties: at random).
+serves end to end again), so only a load can show it. Two things make sure one does:
+
+- the quiet tail (``Schedule``): no fault starts in the last ``quiet_tail_s`` of the load, the longest
+  of the kinds' recovery windows (``recovery_windows``: how long the cluster's own timeouts give the
+  broken part to come back), so every fault's part is due back while the load still runs;
+- the load goes on past its duration while a fault is still to be seen recovering
+  (``OpenLoopLoad.run``'s ``keep_going``), at most ``RECOVERY_TIMEOUT_S`` more: longer than any fault
+  injected before the tail is watched, so each one is judged.
+
+A fault whose recovery no load could show all the same (its part came back, or for a skewed worker
+could only come back by serving, after the load stopped) is reported apart (``Fault.judged`` False:
+``faults_not_judged``), neither recovered nor unrecovered. Which workers are READY the injector hears
+itself, from the heartbeats (``shared.leases.LeaseTable``, as the services do). Kinds share groups
+(the node agent's workers: ``worker_*`` but skew, and plans; plans also need the reconfigurator): one
+fault per group at a time, at most ``MAX_ACTIVE`` at once, and the kind least used so far goes first
+among those that may go (ties: at random).
 """
 
 from __future__ import annotations
@@ -32,12 +41,14 @@ import signal
 import sys
 import time
 import urllib.request
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from shared.leases import LeaseTable
 from shared.messages.control import WorkerStatus
+from shared.settings import NodeAgentSettings
 from tests.chaos.cluster import Cluster, gateway_name, listening
+from tests.chaos.redis_ha import ReplicatedRedis
 from tests.soak.load import OpenLoopLoad
 from tests.soak.report import Fault
 
@@ -46,6 +57,9 @@ RECOVERY_TIMEOUT_S = 240.0  # a fault not recovered within this is reported unre
 SKEW_LIFE_S = 40.0  # how long a skewed worker serves before it is stopped
 SKEW_OFFSET_S = 60.0
 WORKER_PREFIX = "local-"  # instance ids of the node agent's workers (node "local")
+SERVICE_DOWN_S = (0.5, 3.0)  # a killed scheduler, predictor or reconfigurator is started again after this long
+GATEWAY_DOWN_S = (0.2, 1.5)  # ... a gateway
+NATS_DOWN_S = (2.0, 5.0)  # ... a NATS node
 
 # kind -> the groups it occupies while it runs
 KIND_GROUPS: dict[str, tuple[str, ...]] = {
@@ -62,6 +76,66 @@ KIND_GROUPS: dict[str, tuple[str, ...]] = {
 }
 
 
+def recovery_windows(env: Mapping[str, str],
+                     redis_failover_s: float = (ReplicatedRedis.down_after_ms
+                                                + ReplicatedRedis.failover_timeout_ms) / 1000) -> dict[str, float]:
+    """kind -> how long the cluster's own timeouts (the settings in ``env``, the Sentinels' failover) give
+    the part a fault broke to come back: the time it is down (the injector's restart delay, or what the
+    cluster takes to notice and act) plus the node agent's ``start_timeout_s``, its bound on a process
+    coming up (a worker not READY by then is killed and started again), taken for every process."""
+    agent = {name: float(env.get(info.validation_alias, info.default))
+             for name, info in NodeAgentSettings.model_fields.items()
+             if name in ("start_timeout_s", "stop_timeout_s", "hang_timeout_s", "restart_backoff_s")}
+    start = agent["start_timeout_s"]
+    restarted = agent["restart_backoff_s"] + start  # the agent sees its child exit at once
+    windows = {
+        "worker_kill": restarted,
+        "worker_hang": agent["hang_timeout_s"] + restarted,
+        "worker_skew": start,  # READY, then its first step
+        "scheduler_kill": SERVICE_DOWN_S[1] + start,
+        "predictor_kill": SERVICE_DOWN_S[1] + start,
+        "reconfigurator_kill": SERVICE_DOWN_S[1] + start,
+        "gateway_kill": GATEWAY_DOWN_S[1] + start,
+        "nats_kill": NATS_DOWN_S[1] + start,
+        "redis_failover": redis_failover_s + start,  # a replica promoted, the old primary back and synced
+        "reconfig_plan": max(agent["stop_timeout_s"], start),  # one worker stopped (SIGKILL by then) or started
+    }
+    return windows
+
+
+def quiet_tail_s(windows: Mapping[str, float]) -> float:
+    """The last stretch of the load where no fault starts: the slowest kind's recovery window."""
+    return max(windows.values())
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """When a fault may start, in seconds since the load started (pure: no clock): during the first
+    ``storm_s`` of each ``storm_s + calm_s`` cycle, and never in the last ``quiet_tail_s`` of the load's
+    ``duration_s`` (a fault started there could not be due back while the load runs)."""
+
+    duration_s: float
+    storm_s: float
+    calm_s: float
+    quiet_tail_s: float
+
+    @property
+    def last_start_s(self) -> float:
+        """No fault starts at or after this."""
+        return self.duration_s - self.quiet_tail_s
+
+    def may_start(self, elapsed_s: float) -> bool:
+        return 0.0 <= elapsed_s < self.last_start_s and elapsed_s % (self.storm_s + self.calm_s) < self.storm_s
+
+    def attempts(self, rng: random.Random, gap_s: tuple[float, float]) -> Iterator[float]:
+        """The times to try a fault at: one every ``gap_s`` (uniform) from 0, those where one may start."""
+        at = 0.0
+        while at < self.last_start_s:
+            if self.may_start(at):
+                yield at
+            at += rng.uniform(*gap_s)
+
+
 @dataclass
 class Injected:
     """A fault just injected: what it hit and how to tell it is over."""
@@ -70,6 +144,7 @@ class Injected:
     recovered: Callable[[], bool]  # polled in a thread
     detail: dict = field(default_factory=dict)
     after: Callable[[], Awaitable[None]] | None = None  # runs once recovered (the group stays busy)
+    needs_load: bool = False  # its part can only come back under load (a worker shows it by serving a step)
 
 
 class Injector:
@@ -91,18 +166,20 @@ class Injector:
 
     # --- the loop --------------------------------------------------------------------------------
 
-    async def run(self, duration_s: float, storm_s: float, calm_s: float, interval_s: tuple[float, float]) -> None:
-        """Inject for ``duration_s``: faults every ``interval_s`` (uniform) during the first ``storm_s`` of
-        each ``storm_s + calm_s`` cycle; then wait for the faults in progress to recover."""
+    async def connect(self) -> None:
+        """Hear the heartbeats and plan acks (before ``run``)."""
         await self._connect()
-        start = time.monotonic()
+
+    async def run(self, schedule: Schedule, gap_s: tuple[float, float], started: float) -> None:
+        """Try a fault at each of ``schedule``'s attempts (``started``: the load's start, on
+        ``time.monotonic()``); then wait for the faults in progress to recover."""
         try:
-            while (now := time.monotonic()) - start < duration_s:
-                if (now - start) % (storm_s + calm_s) < storm_s:
-                    kind = self._pick()
-                    if kind is not None:
-                        self._launch(kind)
-                await asyncio.sleep(self.rng.uniform(*interval_s))
+            for at in schedule.attempts(self.rng, gap_s):
+                await asyncio.sleep(max(0.0, started + at - time.monotonic()))
+                # NOTE: the clock, not the plan: an event loop running late must not start one in the quiet tail
+                now = time.monotonic()
+                if schedule.may_start(now - started) and (kind := self._pick()) is not None:
+                    self._launch(kind, now)
             await asyncio.gather(*self.tasks)
         finally:
             await self._nc.close()
@@ -121,13 +198,12 @@ class Injector:
     def _running(self) -> set[str]:
         return {t.get_name() for t in self.tasks if not t.done()}
 
-    def _launch(self, kind: str) -> None:
+    def _launch(self, kind: str, at: float) -> None:
         self.busy.update(KIND_GROUPS[kind])
-        self.tasks.append(asyncio.create_task(self._fault(kind), name=kind))
+        self.tasks.append(asyncio.create_task(self._fault(kind, at), name=kind))
 
-    async def _fault(self, kind: str) -> None:
+    async def _fault(self, kind: str, at: float) -> None:
         try:
-            at = time.monotonic()
             injected = await getattr(self, f"_{kind}")()
             if injected is None:
                 self.skipped[kind] = self.skipped.get(kind, 0) + 1
@@ -156,15 +232,17 @@ class Injector:
 
     async def _recovery(self, injected: Injected) -> float | None | bool:
         """When the broken part serves again and a request completed after that; None past the timeout;
-        False when the part came back but the load had stopped, so no request could show it."""
+        False when no load was left to show it (the part came back, or needs load to, after it stopped)."""
         deadline = time.monotonic() + RECOVERY_TIMEOUT_S
         while not await asyncio.to_thread(injected.recovered):
+            if injected.needs_load and self.load.idle:
+                return False
             if time.monotonic() > deadline:
                 return None
             await asyncio.sleep(0.25)
         back = time.monotonic()
         while self.load.last_completion_at <= back:
-            if not self.load.sending and not self.load.in_flight:
+            if self.load.idle:
                 return False
             if time.monotonic() > deadline:
                 return None
@@ -271,7 +349,8 @@ class Injector:
             detail["dropped_while_alive"] = self._scheduler_dropped(instance_id)
             self.skew.append(detail)
 
-        return Injected(f"{instance_id} ({offset:+.0f} s)", lambda: _worker_steps(port) > 0, detail, after=retire)
+        return Injected(f"{instance_id} ({offset:+.0f} s)", lambda: _worker_steps(port) > 0, detail, after=retire,
+                        needs_load=True)
 
     def _scheduler_dropped(self, instance_id: str) -> int:
         """Times the scheduler logged the instance's lease as expired (it must never, while it beats)."""
@@ -280,7 +359,7 @@ class Injector:
         return text.count(f"instance {instance_id}: lease expired")
 
     async def _service_kill(self, name: str) -> Injected:
-        await self._restart(name, (0.5, 3.0), lambda: self.cluster.start_service(name))
+        await self._restart(name, SERVICE_DOWN_S, lambda: self.cluster.start_service(name))
         detail: dict = {}
 
         def recovered() -> bool:
@@ -301,12 +380,12 @@ class Injector:
 
     async def _gateway_kill(self) -> Injected:
         name = gateway_name(self.rng.randrange(self.cluster.gateways))
-        await self._restart(name, (0.2, 1.5), lambda: self.cluster.start_service(name))
+        await self._restart(name, GATEWAY_DOWN_S, lambda: self.cluster.start_service(name))
         return Injected(name, lambda: self.cluster.probe(name, "/readyz"))
 
     async def _nats_kill(self) -> Injected:
         i = self.rng.randrange(len(self.cluster.nats_ports))
-        await self._restart(f"nats-{i}", (2.0, 5.0), lambda: self.cluster.start_nats_node(i))
+        await self._restart(f"nats-{i}", NATS_DOWN_S, lambda: self.cluster.start_nats_node(i))
         return Injected(f"nats-{i}", lambda: listening(self.cluster.nats_ports[i]))
 
     async def _redis_failover(self) -> Injected:

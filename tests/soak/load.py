@@ -32,11 +32,11 @@ class OpenLoopLoad:
         self.sending = False  # between run's start and its end
 
     async def run(self, duration_s: float, keep_going: Callable[[], bool] | None = None,
-                  max_extra_s: float = 0.0) -> None:
-        """Send for ``duration_s`` seconds, and after that while ``keep_going()`` (a fault still to be seen
-        recovering: only a request completing shows it), at most ``max_extra_s`` more; then return (the
-        requests go on: ``finish``)."""
-        start = time.monotonic()
+                  max_extra_s: float = 0.0, start: float | None = None) -> None:
+        """Send for ``duration_s`` seconds from ``start`` (``time.monotonic()``; default: now), and after that
+        while ``keep_going()`` (a fault still to be seen recovering: only a request completing shows it), at
+        most ``max_extra_s`` more; then return (the requests go on: ``finish``)."""
+        start = time.monotonic() if start is None else start
         next_at = start
         self.sending = True
         try:
@@ -55,6 +55,11 @@ class OpenLoopLoad:
     def in_flight(self) -> bool:
         """A request sent is not answered yet (its completion may still show a recovery)."""
         return any(not t.done() for t in self.tasks)
+
+    @property
+    def idle(self) -> bool:
+        """Done sending and every request answered: no completion is left to show a recovery."""
+        return not self.sending and not self.in_flight
 
     def _send(self) -> None:
         # a request the gateway refuses is not sent again; the urls rotate from a random one, as a load

@@ -3,6 +3,11 @@
 Latency classes: a completed request is *after_fault* when its life (sent to answered) overlaps the
 ``AFTER_FAULT_S`` seconds that follow any fault's injection, *undisturbed* otherwise. Percentiles are
 nearest-rank (p50 of [1, 2, 3, 4] is 2), None when a class is empty.
+
+A fault's verdict (``Fault.verdict``): *recovered*; *not recovered* (the load went on and its part did
+not serve again within the injector's timeout), which fails the soak; or *not judged* (no load was left
+to show its recovery), which is listed (``faults_not_judged``) and printed but neither counted among
+the faults nor failing the run: the injector's schedule keeps it from happening (``faults.Schedule``).
 """
 
 from __future__ import annotations
@@ -35,11 +40,18 @@ class Fault:
     at: float  # injected
     recovered_at: float | None = None  # the broken part serves again (None: it did not within the wait)
     detail: dict = field(default_factory=dict)
-    judged: bool = True  # False: its part came back after the load stopped, so no request could show it
+    judged: bool = True  # False: no load was left to show its recovery (recovered_at is then None)
 
     @property
     def recovery_s(self) -> float | None:
         return None if self.recovered_at is None else self.recovered_at - self.at
+
+    @property
+    def verdict(self) -> str:
+        """recovered, not_recovered (fails the soak) or not_judged."""
+        if not self.judged:
+            return "not_judged"
+        return "not_recovered" if self.recovered_at is None else "recovered"
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -69,7 +81,8 @@ def summarize(requests: Sequence[RequestOutcome], faults: Sequence[Fault]) -> di
     fault_times = [f.at for f in faults]
     disturbed = [r.done_at - r.sent_at for r in completed if after_fault(r, fault_times)]
     calm = [r.done_at - r.sent_at for r in completed if not after_fault(r, fault_times)]
-    unjudged = [f for f in faults if not f.judged]
+    unjudged = [f for f in faults if f.verdict == "not_judged"]
+    unrecovered = [f for f in faults if f.verdict == "not_recovered"]
     faults = [f for f in faults if f.judged]
     kinds = sorted({f.kind for f in faults})
     recovery: dict[str, float | None] = {}
@@ -101,6 +114,7 @@ def summarize(requests: Sequence[RequestOutcome], faults: Sequence[Fault]) -> di
         "accepted_not_completed": sum(r.accepted and r.outcome != "completed" for r in requests),
         "duplicated": sum(r.duplicated for r in completed),
         "faults": len(faults),
+        "faults_not_recovered": [{"kind": f.kind, "target": f.target} for f in unrecovered],
         "faults_not_judged": [{"kind": f.kind, "target": f.target} for f in unjudged],
         "fault_kinds": kinds,
         "faults_by_kind": {kind: sum(f.kind == kind for f in faults) for kind in kinds},
@@ -108,6 +122,16 @@ def summarize(requests: Sequence[RequestOutcome], faults: Sequence[Fault]) -> di
         "recovery_detail": recovery_detail,
         "latency_s": {"undisturbed": latency_summary(calm), "after_fault": latency_summary(disturbed)},
     }
+
+
+def skew_problems(skewed: Sequence[dict], faults: Sequence[Fault]) -> list[str]:
+    """What the skewed workers (the injector's ``skew``: instance_id, steps, dropped_while_alive) did wrong:
+    dropped by the scheduler while alive, or served no step; a skew fault not judged is not blamed for
+    serving nothing (no load was left to give it a step)."""
+    unjudged = {f.detail.get("instance_id") for f in faults if f.kind == "worker_skew" and not f.judged}
+    return [f"skewed worker {s['instance_id']} dropped while alive" for s in skewed if s.get("dropped_while_alive")] + [
+        f"skewed worker {s['instance_id']} served no step" for s in skewed
+        if not s.get("steps") and s["instance_id"] not in unjudged]
 
 
 def acceptance(report: dict, min_requests: int, min_faults: int, min_kinds: int) -> list[str]:

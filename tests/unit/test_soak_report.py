@@ -9,6 +9,7 @@ from tests.soak.report import (
     acceptance,
     after_fault,
     percentile,
+    skew_problems,
     summarize,
 )
 
@@ -63,6 +64,30 @@ def test_a_fault_that_could_not_be_judged_is_reported_apart_from_one_that_did_no
     assert acceptance(report, 1, 1, 1) == []  # unjudged is not unrecovered
     report = summarize([done(0.0, 1.0)], [*faults, Fault("worker_hang", "w1", 30.0, None)])
     assert acceptance(report, 1, 1, 1) == ["not recovered: ['worker_hang']"]
+
+
+def test_each_fault_has_one_verdict_and_only_not_recovered_fails():
+    recovered = Fault("gateway_kill", "gateway", 10.0, 13.0)
+    unrecovered = Fault("worker_hang", "w1", 30.0, None)
+    unjudged = Fault("worker_skew", "skew-2", 118.0, None, {"instance_id": "skew-2"}, judged=False)
+    assert [f.verdict for f in (recovered, unrecovered, unjudged)] == ["recovered", "not_recovered", "not_judged"]
+    report = summarize([done(0.0, 1.0)], [recovered, unrecovered, unjudged])
+    assert report["faults"] == 2 and report["faults_by_kind"] == {"gateway_kill": 1, "worker_hang": 1}
+    assert report["faults_not_recovered"] == [{"kind": "worker_hang", "target": "w1"}]
+    assert report["faults_not_judged"] == [{"kind": "worker_skew", "target": "skew-2"}]
+    assert "worker_skew" not in report["recovery_s"]  # not judged: neither a recovery time nor a failure
+    assert acceptance(report, 1, 1, 1) == ["not recovered: ['worker_hang']"]
+
+
+def test_a_skewed_worker_is_blamed_for_serving_nothing_only_when_its_fault_was_judged():
+    skewed = [{"instance_id": "skew-1", "steps": 12.0, "dropped_while_alive": 0},
+              {"instance_id": "skew-2", "steps": 0.0, "dropped_while_alive": 0},
+              {"instance_id": "skew-3", "steps": 0.0, "dropped_while_alive": 2}]
+    faults = [Fault("worker_skew", "skew-1 (+60 s)", 1.0, 9.0, {"instance_id": "skew-1"}),
+              Fault("worker_skew", "skew-2 (-60 s)", 50.0, None, {"instance_id": "skew-2"}),
+              Fault("worker_skew", "skew-3 (+60 s)", 90.0, None, {"instance_id": "skew-3"}, judged=False)]
+    assert skew_problems(skewed, faults) == ["skewed worker skew-3 dropped while alive",
+                                             "skewed worker skew-2 served no step"]
 
 
 def test_the_load_goes_on_past_its_duration_while_a_fault_is_watched():
