@@ -88,7 +88,7 @@ def recovery_windows(env: Mapping[str, str],
              if name in ("start_timeout_s", "stop_timeout_s", "hang_timeout_s", "restart_backoff_s")}
     start = agent["start_timeout_s"]
     restarted = agent["restart_backoff_s"] + start  # the agent sees its child exit at once
-    windows = {
+    return {
         "worker_kill": restarted,
         "worker_hang": agent["hang_timeout_s"] + restarted,
         "worker_skew": start,  # READY, then its first step
@@ -100,7 +100,6 @@ def recovery_windows(env: Mapping[str, str],
         "redis_failover": redis_failover_s + start,  # a replica promoted, the old primary back and synced
         "reconfig_plan": max(agent["stop_timeout_s"], start),  # one worker stopped (SIGKILL by then) or started
     }
-    return windows
 
 
 def quiet_tail_s(windows: Mapping[str, float]) -> float:
@@ -112,7 +111,9 @@ def quiet_tail_s(windows: Mapping[str, float]) -> float:
 class Schedule:
     """When a fault may start, in seconds since the load started (pure: no clock): during the first
     ``storm_s`` of each ``storm_s + calm_s`` cycle, and never in the last ``quiet_tail_s`` of the load's
-    ``duration_s`` (a fault started there could not be due back while the load runs)."""
+    ``duration_s`` (a fault started there could not be due back while the load runs). The quiet tail is
+    a calm itself: the last cycle before it has none of its own (its storm lasts until the tail), so a
+    3-minute soak, whose second storm would begin in the tail, injects for all of its first 113.5 s."""
 
     duration_s: float
     storm_s: float
@@ -125,7 +126,11 @@ class Schedule:
         return self.duration_s - self.quiet_tail_s
 
     def may_start(self, elapsed_s: float) -> bool:
-        return 0.0 <= elapsed_s < self.last_start_s and elapsed_s % (self.storm_s + self.calm_s) < self.storm_s
+        if not 0.0 <= elapsed_s < self.last_start_s:
+            return False
+        cycle_s = self.storm_s + self.calm_s
+        into_s = elapsed_s % cycle_s
+        return into_s < self.storm_s or elapsed_s - into_s + cycle_s >= self.last_start_s  # the last cycle: no calm
 
     def attempts(self, rng: random.Random, gap_s: tuple[float, float]) -> Iterator[float]:
         """The times to try a fault at: one every ``gap_s`` (uniform) from 0, those where one may start."""
@@ -165,10 +170,6 @@ class Injector:
         self.leases = LeaseTable()  # the workers heard, on time.monotonic()
 
     # --- the loop --------------------------------------------------------------------------------
-
-    async def connect(self) -> None:
-        """Hear the heartbeats and plan acks (before ``run``)."""
-        await self._connect()
 
     async def run(self, schedule: Schedule, gap_s: tuple[float, float], started: float) -> None:
         """Try a fault at each of ``schedule``'s attempts (``started``: the load's start, on
@@ -251,7 +252,8 @@ class Injector:
 
     # --- helpers ---------------------------------------------------------------------------------
 
-    async def _connect(self) -> None:
+    async def connect(self) -> None:
+        """Hear the heartbeats and plan acks (before ``run``)."""
         import nats
 
         from shared.messages.codec import CodecError, decode

@@ -46,16 +46,20 @@ def test_no_fault_is_tried_in_the_quiet_tail_nor_in_a_calm_for_any_seed(duration
     for seed in range(200):
         attempts = list(schedule.attempts(random.Random(seed), GAP_S))
         assert attempts and attempts[0] == 0.0
-        assert all(at < schedule.last_start_s and at % 120.0 < 70.0 for at in attempts)
+        last_cycle_s = (schedule.last_start_s // 120.0) * 120.0  # its calm would reach into the tail: none
+        assert all(at < schedule.last_start_s and (at % 120.0 < 70.0 or at >= last_cycle_s) for at in attempts)
         assert all(schedule.may_start(at) for at in attempts)
         assert all(GAP_S[0] <= b - a for a, b in zip(attempts, attempts[1:], strict=False))
 
 
-def test_ci_two_minutes_still_has_a_storm_before_its_tail():
-    schedule = soak_schedule(120.0)
-    assert 50.0 < schedule.last_start_s < 60.0  # 120 s less the slowest window (66.5 s with SOAK_ENV's backoff)
+def test_short_soaks_still_have_a_storm_before_their_tail():
+    schedule = soak_schedule(120.0)  # CI's
+    assert 50.0 < schedule.last_start_s < 60.0  # 120 s less the slowest window (67 s with SOAK_ENV's backoff)
     counts = [len(list(schedule.attempts(random.Random(seed), GAP_S))) for seed in range(50)]
     assert min(counts) >= 8  # the 2-minute bar asks for 8 faults
+    schedule = soak_schedule(180.0)  # its second storm would begin in the tail: the first goes on to it
+    counts = [len(list(schedule.attempts(random.Random(seed), GAP_S))) for seed in range(50)]
+    assert min(counts) >= 2 * 12  # the 3-minute bar asks for 12 faults; not every attempt finds a kind free
 
 
 def test_may_start_is_a_storm_before_the_tail():
@@ -64,6 +68,12 @@ def test_may_start_is_a_storm_before_the_tail():
     assert not schedule.may_start(119.9) and schedule.may_start(120.0)
     assert schedule.may_start(253.4) and not schedule.may_start(253.5)  # a storm, cut where the tail starts
     assert not schedule.may_start(260.0) and not schedule.may_start(-1.0) and not schedule.may_start(320.0)
+    # the last cycle before the tail has no calm of its own: the tail is one
+    three_minutes = Schedule(180.0, storm_s=70.0, calm_s=50.0, quiet_tail_s=66.5)
+    assert three_minutes.may_start(70.0) and three_minutes.may_start(113.4) and not three_minutes.may_start(113.5)
+    longer = Schedule(400.0, storm_s=70.0, calm_s=50.0, quiet_tail_s=66.5)  # the tail from 333.5: calm 310-360 too
+    assert not longer.may_start(75.0) and not longer.may_start(200.0) and longer.may_start(250.0)
+    assert longer.may_start(320.0) and not longer.may_start(333.5)
     assert list(Schedule(60.0, 70.0, 50.0, 66.5).attempts(random.Random(0), GAP_S)) == []  # too short: none
 
 
