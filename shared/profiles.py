@@ -45,6 +45,9 @@ from pathlib import Path
 STEP_KINDS = ("recompute_ms", "cache_ms")
 OPTIONAL_STEP_KINDS = ("full_ms",)
 MONOTONE_RULES = ("min-over-larger",)  # the rules ``batch_monotone`` may name (module docstring)
+# a recompute step's throughput has stopped growing where doubling its batch adds less than this
+# (``LatencyProfile.recompute_saturation``: the step's recompute token budget)
+RECOMPUTE_GROWTH = 0.05
 
 
 class ProfileError(ValueError):
@@ -133,6 +136,25 @@ class LatencyProfile:
         if num_cache:
             seconds += self.beta(tp, num_cache)
         return seconds
+
+    def recompute_saturation(self, tp: int, growth: float = RECOMPUTE_GROWTH) -> int:
+        """The batch beyond which a recompute step's throughput (requests per second of ``alpha``)
+        stops growing: the smallest batch ``b`` whose double (within the profile's batches) adds less
+        than ``growth`` to it. A compute-bound full forward saturates early: batching more recomputes
+        into one step multiplies its latency and adds no throughput."""
+        top = self.max_batch(tp)
+        b = 1
+        while b < top:
+            nxt = min(2 * b, top)
+            if (nxt / self.alpha(tp, nxt)) < (b / self.alpha(tp, b)) * (1 + growth):
+                return b
+            b = nxt
+        return top
+
+    def recompute_token_budget(self, tp: int, growth: float = RECOMPUTE_GROWTH) -> int:
+        """The recompute tokens one step should carry (chunked prefill's token budget, for a DLM's
+        full forwards): ``recompute_saturation`` requests of the profile's context."""
+        return self.recompute_saturation(tp, growth) * max(self.context_tokens, 1)
 
     def token_steps_per_s(self, tp: int, batch: int, cache_fraction: float = 0.0) -> float:
         """Throughput in (generated token x step) units: batch requests each advance one step.

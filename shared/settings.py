@@ -263,6 +263,12 @@ class SchedulerSettings(ServesModels, ServiceSettings):
                              "pipelining: a command may run again up to this many steps where its worker has no "
                              "newer one in hand when a step ends (the scheduler lags behind the workers); 0: never",
                              ge=0)
+    recompute_tokens: int | None = _own("scheduler", "recompute_tokens", None,
+                                        "the recompute tokens one step carries at most: block starts over it wait "
+                                        "for the next steps, in order of deadline (chunked prefill's token budget "
+                                        "for a DLM's full forwards); unset: each instance's profile's budget (the "
+                                        "batch where a recompute step's throughput stops growing, times the "
+                                        "profile's context); 0: no cap", ge=0)
     shadow_rate: float = _own("scheduler", "shadow_rate", 0.01,
                               "share of finished requests that ran below the highest candidate threshold decoded "
                               "again at the highest, at the lowest priority (only in a free slot), to watch the "

@@ -66,6 +66,10 @@ def _common(parser: argparse.ArgumentParser) -> None:
                         help="KV cache memory per GPU: each instance holds tp x MIB / the profile's "
                              "kv_bytes_per_token context tokens, and placement, admission and preemption keep to "
                              "it (default: no budget). compare also runs every policy without it, for the report")
+    parser.add_argument("--recompute-tokens", type=int, default=None, metavar="N",
+                        help="the recompute tokens one step carries at most, block starts over it served by the "
+                             "next steps (default: each instance's profile's budget, as the live scheduler's "
+                             "DLS_SCHEDULER_RECOMPUTE_TOKENS; 0: no cap)")
     parser.add_argument("--overlap-min-tokens", type=int, default=None, metavar="N",
                         help="overlap continues requests with at least N tokens to go (default: the live "
                              "scheduler's, 32)")
@@ -125,7 +129,10 @@ def _steps(args):
     min_tokens = StepConfig().overlap_min_tokens if args.overlap_min_tokens is None else args.overlap_min_tokens
     if min_tokens < 0:
         raise CliError(f"--overlap-min-tokens: must be >= 0, got {min_tokens}")
-    return StepConfig(overlap_min_tokens=0 if args.no_overlap else min_tokens, pipelining=not args.no_pipelining)
+    if args.recompute_tokens is not None and args.recompute_tokens < 0:
+        raise CliError(f"--recompute-tokens: must be >= 0 (0: no cap), got {args.recompute_tokens}")
+    return StepConfig(overlap_min_tokens=0 if args.no_overlap else min_tokens, pipelining=not args.no_pipelining,
+                      recompute_tokens=args.recompute_tokens)
 
 
 def _with_trace(preset, path: str, time_scale: float | None):

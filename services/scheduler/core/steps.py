@@ -55,6 +55,9 @@ class StepConfig:
     overlap_min_tokens: int = 32  # overlap: continue instances whose requests have this many tokens to go; 0: off
     pipelining: bool = True  # send the step after the running one in advance (needs overlap)
     held_repeats: int = DEFAULT_HELD_REPEATS  # pipelining: steps a command may repeat with none newer in hand
+    # the recompute tokens one step carries: None, each instance's profile's budget
+    # (``LatencyProfile.recompute_token_budget``); 0, no cap
+    recompute_tokens: int | None = None
 
     @property
     def overlap(self) -> bool:
@@ -161,7 +164,8 @@ class StepScheduler:
         self._resend: dict[str, None] = {}  # busy ones among them whose held command may have changed
         self.counters = {"continued_steps": 0, "pipelined_steps": 0, "late_held_steps": 0, "migrations": 0,
                          "failed_steps": 0, "lost_steps": 0, "recovered_steps": 0, "preemptions": 0,
-                         "kv_refused_steps": 0, "repeated_steps": 0}
+                         "kv_refused_steps": 0, "repeated_steps": 0, "recomputes_deferred": 0}
+        self._budgets: dict[str, int] = {}  # instance id -> its profile's recompute token budget
 
     # --- events ----------------------------------------------------------------------------------
 
@@ -437,17 +441,59 @@ class StepScheduler:
                     if iid in resend:
                         held += self._send_next(now, iid)
                 continue
-            items = self._batch(iid)
+            items = self._batch(now, iid)
             if items or st.drop_ids:
                 commands += self._send(now, iid, st, items)
         return commands + held
 
-    def _batch(self, instance_id: str) -> list[StepItem]:
-        """Batch composition: the requests on the instance whose next step is assigned."""
+    def recompute_budget(self, instance_id: str) -> int:
+        """The recompute tokens a step on this instance carries at most (0: no cap)."""
+        if self.config.recompute_tokens is not None:
+            return self.config.recompute_tokens
+        inst = self.view.instances.get(instance_id)
+        if inst is None:
+            return 0
+        budget = self._budgets.get(instance_id)
+        if budget is None:
+            budget = self._budgets[instance_id] = inst.profile.recompute_token_budget(inst.tp)
+        return budget
+
+    def _over_budget(self, now: float, instance_id: str, starting: list[Request], spent: int = 0) -> set[str]:
+        """Of these requests, whose next steps would start blocks with a recompute, those that wait
+        for a later step under the instance's recompute budget: in order of deadline, the first ones
+        whose contexts fit beside the ``spent`` tokens go (at least one, where nothing was spent);
+        the rest are served in turn by the next steps, instead of all at once in one compute-bound
+        step whose latency grows with them and whose throughput does not."""
+        budget = self.recompute_budget(instance_id)
+        if budget <= 0 or spent + sum(r.context_tokens for r in starting) <= budget:
+            return set()
+        waiting = set()
+        inst = self.view.instances[instance_id]
+        soonest = now + inst.profile.alpha(inst.tp, 1)  # a block start ends no sooner than this
+        for r in sorted(starting, key=lambda r: (r.deadline < soonest, r.deadline, r.request_id)):
+            if spent and spent + r.context_tokens > budget:
+                waiting.add(r.request_id)
+            else:
+                spent += r.context_tokens
+        return waiting
+
+    @staticmethod
+    def _starts_block(r: Request) -> bool:
+        """Its next step is a block-start recompute (with a cache: without one every step is full)."""
+        return r.cache_mode != CacheMode.NONE and r.num_block_steps == 0
+
+    def _batch(self, now: float, instance_id: str) -> list[StepItem]:
+        """Batch composition: the requests on the instance whose next step is assigned, less the
+        block starts over its recompute budget (``_over_budget``: they go in a later step)."""
         items = []
-        for rid in self.view.instances[instance_id].resident_ids:
-            r = self.view.requests[rid]
-            if r.status not in _RUNNABLE or r.reloading:
+        runnable = [r for rid in self.view.instances[instance_id].resident_ids
+                    if (r := self.view.requests[rid]).status in _RUNNABLE and not r.reloading]
+        later = self._over_budget(now, instance_id, [r for r in runnable if self._starts_block(r)])
+        if later:
+            self.counters["recomputes_deferred"] += len(later)
+        for r in runnable:
+            rid = r.request_id
+            if rid in later:
                 continue
             items.append(StepItem(request_id=rid, threshold=float(r.threshold), state_version=r.state_version,
                                   load_state=r.holder_id != instance_id))
@@ -490,7 +536,7 @@ class StepScheduler:
         st = self._instances.get(instance_id)
         if st is None or st.busy_step_id is None or st.settling or not self.config.pipelines:
             return []
-        pairs = self._held_pairs(instance_id, st)
+        pairs = self._held_pairs(now, instance_id, st)
         if pairs is None:
             latest = st.next_sent[st.next_step_id][2] if st.next_step_id else None
             if not st.repeats_left or (latest is not None and (latest.after_step_id == st.busy_step_id
@@ -520,7 +566,7 @@ class StepScheduler:
         st.next_sent[step_id] = (pairs, drop_finished, command)
         return [command]
 
-    def _held_pairs(self, instance_id: str, st: InstanceSteps) -> list[tuple[str, float, bool]] | None:
+    def _held_pairs(self, now: float, instance_id: str, st: InstanceSteps) -> list[tuple[str, float, bool]] | None:
         """The held command's (request id, threshold, may start a block) items for the step after the
         running one, or None where a pass could place something else there (``_send_next``) or a
         request of the step waits for its plan (``_waits_for_plan``)."""
@@ -532,19 +578,31 @@ class StepScheduler:
         if len(inst.resident_ids) - len(joining) != len(st.in_flight_ids):
             return None  # a request of the step left the instance: the pass decides what comes next
         stays = self.loop.would_stay(instance_id, st.in_flight_ids)
-        pairs = []
+        pairs, stepping = [], []
         for rid in st.in_flight_ids:
             r = self.view.requests.get(rid)
             if (r is None or r.reloading or r.instance_id != instance_id or r.status != RequestStatus.RUNNING
                     or r.threshold is None or self._waits_for_plan(r)):
                 return None
             pairs.append((rid, float(r.threshold), rid in stays))
+            stepping.append(r)
+        joiners = []
         for rid in joining:
             r = self.view.requests[rid]
             if r.status not in _RUNNABLE or r.reloading or r.holder_id is not None or r.threshold is None:
                 return None
             pairs.append((rid, float(r.threshold), False))
-        return pairs
+            joiners.append(r)
+        if not self.recompute_budget(instance_id):
+            return pairs
+        joiners = [r for r in joiners if self._starts_block(r)]
+        if self._over_budget(now, instance_id, joiners):
+            return None  # the joiners' recomputes alone exceed the budget: the pass composes the step
+        # a request of the step that completes its block starts the next with a recompute: only those
+        # the budget has room for beside the joiners may (else the worker waits for the pass)
+        spent = sum(r.context_tokens for r in joiners)
+        no_room = self._over_budget(now, instance_id, [r for r in stepping if r.cache_mode != CacheMode.NONE], spent)
+        return [(rid, threshold, may_start and rid not in no_room) for rid, threshold, may_start in pairs]
 
     def _waits_for_plan(self, request: Request) -> bool:
         """A request whose step runs at a provisional threshold (its first, before any prediction:

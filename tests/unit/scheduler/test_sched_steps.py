@@ -478,3 +478,47 @@ def test_where_no_held_command_may_go_out_a_step_that_could_repeat_is_told_to_wa
     assert _repeat(again, report(again)) is not None  # the worker would repeat again, but holds the stop:
     from shared.pipelining import next_step
     assert next_step(again, stops[0], report(again).outcomes) is None
+
+
+# --- the recompute budget ------------------------------------------------------------------------
+
+
+def test_block_starts_over_the_recompute_budget_wait_for_the_next_steps_in_order_of_deadline():
+    """A block start is a compute-bound full forward: a step carries them up to the budget's context
+    tokens (two requests of 512 here), earliest deadline first, those that can no longer make theirs
+    last; the rest go with the next step, beside the cache steps of those that went first."""
+    core = make_core(StepConfig(overlap_min_tokens=0, pipelining=False, recompute_tokens=1024))
+    out = core.on_arrivals(0.0, [make_request(rid, 0.0, state_version=1, slo_s=slo)
+                                 for rid, slo in (("a", 40.0), ("b", 10.0), ("late", 0.05), ("c", 30.0))])
+    [first] = plain(out)
+    assert [it.request_id for it in first.items] == ["b", "c"]  # the two earliest that can still make it
+    assert core.counters["recomputes_deferred"] == 2
+    assert core.view.requests["late"].status == RequestStatus.RUNNING  # placed, served in turn
+    _, rest = step(core, 0.1, first)
+    [second] = plain(rest)  # a and late start their blocks, b and c step on (cache steps)
+    assert sorted(it.request_id for it in second.items) == ["a", "b", "c", "late"]
+
+    uncapped = make_core(StepConfig(overlap_min_tokens=0, pipelining=False, recompute_tokens=0))
+    [every] = plain(arrive(uncapped, "a", "b", "c", "d"))
+    assert len(every.items) == 4 and uncapped.counters["recomputes_deferred"] == 0
+    derived = make_core(NO_OVERLAP)  # the toy profile's recomputes never saturate within its batch of 8
+    assert derived.recompute_budget("i0") == 8 * 512
+
+
+def test_a_held_command_lets_only_the_block_starts_the_budget_has_room_for_go_on_by_themselves():
+    """Requests joining the held step start their blocks there and take the budget first; a request of
+    the running step may start its next block by itself only where room is left (else its worker
+    waits for the pass, which composes the step under the budget); joiners over it leave the step to
+    a later pass."""
+    core = make_core(StepConfig(overlap_min_tokens=32, pipelining=True, recompute_tokens=1024))
+
+    def join(rid: str, slo: float):
+        return held(core.on_arrivals(0.01, [make_request(rid, 0.01, state_version=1, slo_s=slo)]))
+
+    out = core.on_arrivals(0.0, [make_request("x", 0.0, state_version=1, slo_s=20.0)])
+    assert [(it.request_id, it.may_start_block) for it in held(out)[0].items] == [("x", True)]
+    [nxt] = join("y", 50.0)  # y's block start and x's possible one fit
+    assert [(it.request_id, it.may_start_block) for it in nxt.items] == [("x", True), ("y", False)]
+    [nxt] = join("z", 30.0)  # y and z fill the budget: x may go on mid-block only
+    assert [(it.request_id, it.may_start_block) for it in nxt.items] == [("x", False), ("y", False), ("z", False)]
+    assert join("w", 40.0) == []  # three block starts are over it: the held step sent stands, w waits for a pass
