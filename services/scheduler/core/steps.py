@@ -460,8 +460,9 @@ class StepScheduler:
 
     def _over_budget(self, now: float, instance_id: str, starting: list[Request], spent: int = 0) -> set[str]:
         """Of these requests, whose next steps would start blocks with a recompute, those that wait
-        for a later step under the instance's recompute budget: in order of deadline, the first ones
-        whose contexts fit beside the ``spent`` tokens go (at least one, where nothing was spent);
+        for a later step under the instance's recompute budget: in order of deadline, those that can
+        no longer make theirs last (fewer seconds left than their block starts take at batch 1), the
+        first ones whose contexts fit beside the ``spent`` tokens go (at least one, where nothing was spent);
         the rest are served in turn by the next steps, instead of all at once in one compute-bound
         step whose latency grows with them and whose throughput does not."""
         budget = self.recompute_budget(instance_id)
@@ -469,8 +470,12 @@ class StepScheduler:
             return set()
         waiting = set()
         inst = self.view.instances[instance_id]
-        soonest = now + inst.profile.alpha(inst.tp, 1)  # a block start ends no sooner than this
-        for r in sorted(starting, key=lambda r: (r.deadline < soonest, r.deadline, r.request_id)):
+        full = inst.profile.alpha(inst.tp, 1)  # each block start left takes at least this
+
+        def hopeless(r: Request) -> bool:
+            return r.deadline < now + full * max(r.max_remaining_recompute_steps, 1)
+
+        for r in sorted(starting, key=lambda r: (hopeless(r), r.deadline, r.request_id)):
             if spent and spent + r.context_tokens > budget:
                 waiting.add(r.request_id)
             else:
