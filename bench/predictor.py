@@ -40,6 +40,7 @@ from bench.common import emit_json
 from services.cli import main as dls
 from services.predictor.cli import HELDOUT_FILE, TRAIN_FILE
 from services.predictor.core.evaluation import aged_one_shot, errors, granularity_study
+from services.predictor.core.loading import predictor_dir
 from services.predictor.core.model import ModelError, StepModel
 from services.predictor.core.predictor import InProcessPredictor, PredictionQuery
 from services.predictor.traces import DEFAULT_THRESHOLDS, TraceSet, read_traces
@@ -153,7 +154,7 @@ def training_size(train: TraceSet, heldout: TraceSet) -> dict:
 
 
 def committed_model(model_dir: str, heldout: TraceSet) -> dict:
-    path = Path(model_dir) / "predictor"
+    path = predictor_dir(model_dir)  # the calibration bundle's
     try:
         model = StepModel.load(path)
     except ModelError as exc:

@@ -2,8 +2,14 @@ import numpy as np
 import pytest
 
 from services.predictor.core.model import CARD_FILE, RECOMPUTE_FILE, TOTAL_FILE, ModelError, StepModel
-from services.predictor.core.training import TrainingError, TrainParams, train_step_model
-from shared.features import arrival_features
+from services.predictor.core.training import (
+    TrainingError,
+    TrainParams,
+    _weights,
+    arrival_rows,
+    train_step_model,
+)
+from shared.features import arrival_features, step_features
 from tests.unit.predictor.pred_builders import FAST, fake_traces, tiny_model
 
 
@@ -33,6 +39,20 @@ def test_l2_objective_can_carry_the_monotone_constraint(tmp_path):
     rows = np.array([arrival_features(t, 16, 30, 8) for t in (0.5, 0.6, 0.7, 0.8, 0.9, 0.95)])
     low_to_high, _ = model.predict(rows)
     assert np.all(np.diff(low_to_high) >= -1e-9)
+
+
+def test_arrival_rows_are_the_rows_before_any_step():
+    arrival = arrival_features(0.9, 16, 30, 8)
+    stepped = step_features(0.9, 16, 30, 8, 3, 3, (0.5, 0.6, 0.7, 0.7, 0.8), block_index=0, predicted_end=12)
+    nothing_committed = step_features(0.9, 16, 30, 8, 0, 0, (0.1, 0.2, 0.3, 0.3, 0.4))
+    assert arrival_rows(np.array([arrival, stepped, nothing_committed])).tolist() == [True, False, False]
+
+
+def test_arrival_rows_weigh_by_their_steps_and_the_others_by_their_own_power():
+    labels, arrival = np.array([4.0, 4.0, 0.0]), np.array([True, False, True])
+    np.testing.assert_allclose(_weights(labels, arrival, TrainParams()), [0.5, 1.0, 1.0])  # 1 / sqrt(4); 0 as 1
+    np.testing.assert_allclose(_weights(labels, arrival, TrainParams(weight_power=1.0)), [0.5, 0.25, 1.0])
+    assert _weights(labels, arrival, TrainParams(arrival_weight_power=0.0)) is None  # the median everywhere
 
 
 def test_arrival_model_reads_only_arrival_features(tmp_path):
