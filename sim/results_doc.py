@@ -328,7 +328,7 @@ def narrative(pbq, full, pt_q, abl) -> str:
             f"(accuracy {100 * s_['accuracy']:.1f}% and {100 * dl['accuracy']:.1f}%). SLO-aware thresholds are far "
             f"above fixed; {verdict} (the paper: +42.4 pp). Load control reaches the thresholds two ways: "
             "Algorithm 2's cap on each request's allowed maximum, which is what a request's first step runs at "
-            "(it has no step prediction yet: `unpredicted_at_max`), so that under a queue a short answer, written "
+            "(its threshold is planned from the first step's prediction on: `unpredicted_at_max`), so that under a queue a short answer, written "
             "in its first step, starts below 0.9; and its view of the aggregate reaching Algorithm 1, which costs "
             "a request's steps at the batch an even spread of all active requests (queued included) gives its "
             "instance (`load_aware_batch`). Without load control every first step runs at 0.9 however deep the "

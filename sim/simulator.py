@@ -215,6 +215,9 @@ class Simulator:
         if self.reconfigurator is not None:
             self.reconfigurator.observe(ArrivalEvent(self.now, prompt_len, spec.gen_len, spec.slo_s), spec.model)
         self._carry_out(self.core.on_arrivals(self.now, [request]))
+        if spec.request_id in self.view.requests:  # asked at arrival too, as the live scheduler does
+            for rid, prediction in self._predict([spec.request_id]).items():
+                self.core.on_prediction(self.now, rid, prediction)
 
     def _on_step_end(self, payload: tuple[str, int]) -> None:
         """The instance's step is done: it goes on to the command it holds if nothing changed (a

@@ -83,10 +83,13 @@ class DiLaServeConfig(BaseModel):
     # first placement, and keeps it; load control, when on, still caps it at every step
     plan_once: bool = False
     tie_break: Literal["first", "random"] = "first"
-    # a request's first step, before any step prediction, runs at its allowed maximum (load
-    # control's cap) instead of Algorithm 1's choice on the fallback estimate, which counts every
-    # canvas position and so lowers the threshold of exactly the step that decides a short answer
-    # (a sum is written in its first step); later steps without a prediction plan on the fallback.
+    # a request's first step runs at its allowed maximum (load control's cap) instead of Algorithm
+    # 1's choice, on the fallback estimate (which counts every canvas position) or on a prediction
+    # made at arrival (before the model has read a canvas): either lowers the threshold of exactly
+    # the step that decides a short answer (a sum is written in its first step). The live scheduler
+    # and the simulator ask for one at arrival; planning the first step on it cost paper-bench
+    # --quick 9.5 points at 2x (docs/notes.md, item 15). Later steps without a prediction plan on
+    # the fallback.
     # Off, the Azure code trace lost up to 1.2 accuracy points at loads the baselines meet (a fifth of
     # first steps ran at 0.7); on, 0.8 (docs/notes.md, item 15)
     unpredicted_at_max: bool = True
@@ -218,8 +221,7 @@ class DiLaServePolicy:
         """A request's first step runs at load control's cap, before any prediction
         (``unpredicted_at_max``); the pass after that step plans its threshold with the first
         prediction."""
-        return (self.config.unpredicted_at_max and len(self.grid.values) > 1
-                and request.prediction is None and request.num_steps_done == 0)
+        return self.config.unpredicted_at_max and len(self.grid.values) > 1 and request.num_steps_done == 0
 
     # bookkeeping
 
@@ -375,7 +377,7 @@ class DiLaServePolicy:
         if self.config.plan_once:
             index = self._planned_once(requests, index, self.table.lo[table_rows], hi[table_rows])
         if self.config.unpredicted_at_max:  # the first step, before any prediction (config)
-            unpredicted = np.array([r.prediction is None and r.num_steps_done == 0 for r in requests])
+            unpredicted = np.array([r.num_steps_done == 0 for r in requests])
             index = np.where(unpredicted, hi[table_rows], index)
         return index.tolist(), estimate.tolist(), hi[table_rows].tolist()
 

@@ -23,8 +23,11 @@ PREDICTION = {0.5: (8, 10), 0.6: (8, 15), 0.7: (8, 20), 0.8: (8, 30), 0.9: (8, 4
 
 def first_threshold(profile, slo_s: float, policy: str = "dilaserve", budget_share: float = 1.0,
                     **request_fields) -> float:
-    """Algorithm 1 as the paper states it (the whole budget) unless ``budget_share`` says otherwise."""
-    loop = SchedulingLoop(make_policy(policy, {"budget_share": budget_share}), make_view(profile, [1]))
+    """Algorithm 1 as the paper states it (the whole budget) unless ``budget_share`` says otherwise, on
+    a prediction made at arrival (the first step's own rule, ``unpredicted_at_max``, is off here:
+    tested on its own below)."""
+    loop = SchedulingLoop(make_policy(policy, {"budget_share": budget_share, "unpredicted_at_max": False}),
+                          make_view(profile, [1]))
     request = make_request("r", slo_s=slo_s, **request_fields)
     request.record_prediction(uniform_prediction(PREDICTION))
     decisions = loop.on_arrival(0.0, request)
@@ -58,13 +61,19 @@ def test_no_loadctl_ablation_uses_algorithm_1_alone(profile):
 
 
 
-def test_a_request_with_no_prediction_yet_runs_its_first_step_at_its_allowed_maximum(profile):
-    """The fallback counts every canvas position (an upper bound): on it Algorithm 1 would lower the
-    threshold of the step that decides a short answer. Once a prediction is in, it plans again."""
+def test_a_request_runs_its_first_step_at_its_allowed_maximum_and_is_planned_from_its_first_prediction(profile):
+    """The fallback counts every canvas position (an upper bound), and a prediction made at arrival
+    has not seen the model read the canvas: on either, Algorithm 1 would lower the threshold of the
+    step that decides a short answer. The prediction made after the first step plans the rest."""
     loop = SchedulingLoop(make_policy("dilaserve", {"budget_share": 1.0}), make_view(profile, [1]))
     (assignment,) = loop.on_arrival(0.0, make_request("r", slo_s=0.5)).assignments
     assert assignment.threshold == 0.95  # nothing fits 0.5 s on the fallback, yet the first step is the top
-    assert first_threshold(profile, slo_s=0.5) == 0.5  # with a prediction at arrival: Algorithm 1's choice
+    predicted = make_request("p", slo_s=0.5)
+    predicted.record_prediction(uniform_prediction(PREDICTION))  # asked at arrival, as live
+    (assignment,) = SchedulingLoop(make_policy("dilaserve", {"budget_share": 1.0}),
+                                   make_view(profile, [1])).on_arrival(0.0, predicted).assignments
+    assert assignment.threshold == 0.95
+    assert first_threshold(profile, slo_s=0.5) == 0.5  # the rule off: Algorithm 1's choice
     blind = SchedulingLoop(make_policy("dilaserve", {"budget_share": 1.0, "unpredicted_at_max": False}),
                            make_view(profile, [1]))
     (assignment,) = blind.on_arrival(0.0, make_request("r", slo_s=0.5)).assignments
@@ -206,7 +215,8 @@ def test_plan_once_keeps_the_first_choice_and_load_control_caps_it(profile):
     pessimistic[0.5] = (8, 5)
 
     def threshold_after_a_step(policy: str, overrides: dict) -> tuple[float, float]:
-        loop = SchedulingLoop(make_policy(policy, {"budget_share": 1.0, **overrides}), make_view(profile, [1]))
+        loop = SchedulingLoop(make_policy(policy, {"budget_share": 1.0, "unpredicted_at_max": False, **overrides}),
+                              make_view(profile, [1]))
         request = make_request("r", slo_s=1.15)
         request.record_prediction(uniform_prediction(PREDICTION))
         (first,) = loop.on_arrival(0.0, request).assignments
