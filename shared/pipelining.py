@@ -4,7 +4,9 @@ the worker and for the simulator's instances.
 
 It goes on only if nothing about the batch changed: every request of the step stepped and none
 failed; the held command names all of those requests, at the state versions the step wrote, none to
-be loaded; a request that completed its block goes on only if its item says ``may_start_block``; one
+be loaded; a request that completed its block goes on only if its item says ``may_start_block``, and
+the block starts together fit the command's ``recompute_tokens`` (each item's ``context_tokens``; one
+always does: the scheduler's recompute budget, which it composes the other steps under); one
 that finished is left out if the command says ``drop_finished`` (otherwise the instance waits for a
 scheduling pass); each has at least ``min_masked`` masked positions left. Its other items are
 requests placed on the instance while the step ran (``load_state``: they join from the store), so a
@@ -108,9 +110,14 @@ def held_step_after(num_step_items: int, held: StepCommand, stepped: Sequence[St
     items = [it for it in held.items if it.request_id not in by_id or not by_id[it.request_id].finished]
     if not items or (len(items) < len(held.items) and not held.drop_finished):
         return None
+    starting, starting_tokens = 0, 0
     for it in items:
         r = by_id.get(it.request_id)
         if r is not None and (it.load_state or it.state_version != r.state_version
                               or (r.block_done and not it.may_start_block) or r.num_masked < held.min_masked):
             return None
+        if r is not None and r.block_done and it.context_tokens:
+            starting, starting_tokens = starting + 1, starting_tokens + it.context_tokens
+    if held.recompute_tokens and starting > 1 and starting_tokens > held.recompute_tokens:
+        return None  # more block starts than the recompute budget has room for: the scheduler composes
     return held if len(items) == len(held.items) else msgspec.structs.replace(held, items=items)

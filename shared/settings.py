@@ -269,6 +269,10 @@ class SchedulerSettings(ServesModels, ServiceSettings):
                                         "for a DLM's full forwards); unset: each instance's profile's budget (the "
                                         "batch where a recompute step's throughput stops growing, times the "
                                         "profile's context); 0: no cap", ge=0)
+    first_step_waits: bool = _own("scheduler", "first_step_waits", True,
+                                  "pipelining: a short answer's second step waits for the scheduling pass that "
+                                  "plans it with the first step's prediction, instead of going on at the first "
+                                  "step's provisional threshold (costs its instance one round trip)")
     shadow_rate: float = _own("scheduler", "shadow_rate", 0.01,
                               "share of finished requests that ran below the highest candidate threshold decoded "
                               "again at the highest, at the lowest priority (only in a free slot), to watch the "

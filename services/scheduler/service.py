@@ -267,7 +267,8 @@ class SchedulerService:
         self.core = StepScheduler(SchedulingLoop(policy if policy is not None
                                                  else load_policy(settings, qualities=qualities)),
                                   StepConfig(settings.overlap_min_tokens, settings.pipeline_steps,
-                                             settings.held_repeats, settings.recompute_tokens),
+                                             settings.held_repeats, settings.recompute_tokens,
+                                             settings.first_step_waits),
                                   first_step_id=int(clock() * 1_000_000))
         self.view = self.core.view
         self.mask_token_id = mask_token_id

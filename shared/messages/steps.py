@@ -26,6 +26,7 @@ class StepItem(Part, kw_only=True):
     state_version: int  # version of the request's Redis state that this step starts from
     load_state: bool = False  # True: load the state from Redis (migration, or this worker lacks it)
     may_start_block: bool = False  # conditional command: go on even if the step before completed its block
+    context_tokens: int = 0  # conditional command: a block start's cost under StepCommand.recompute_tokens (0: none)
 
 
 class StepCommand(Message, kw_only=True):
@@ -48,6 +49,10 @@ class StepCommand(Message, kw_only=True):
     after_step_id: int = 0  # 0: run on arrival; else the step this conditional command follows
     min_masked: int = 0  # the condition above (with after_step_id)
     drop_finished: bool = False  # with after_step_id: requests that finished are left out, the rest go on
+    # with after_step_id: the most context tokens (items' ``context_tokens``) of block starts the step
+    # may carry for the requests of the step it follows, one always allowed (the scheduler's recompute
+    # budget less what joining requests take); more, and the worker waits for the scheduler
+    recompute_tokens: int = 0  # 0: no cap
     # repeats, with after_step_id: where no held command is in hand when this step ends, it runs
     # again (the same requests and thresholds, less those that finished), up to this many more steps,
     # as step ids step_id + 1, + 2, ... (reserved for it), while the rule holds; a held command sent

@@ -60,6 +60,19 @@ def test_block_starts_and_finished_requests_where_the_command_allows_them():
     assert [it.request_id for it in nxt.items] == ["a"]
 
 
+def test_block_starts_beyond_the_commands_recompute_room_wait_for_the_scheduler():
+    """One block start always goes; more go only where their contexts fit ``recompute_tokens``."""
+    capped = msgspec.structs.replace(held(may_start_block=True, context_tokens=300), recompute_tokens=500)
+    both = outcomes(a={"block_done": True}, b={"block_done": True})
+    assert held_step(STEP, capped, both) is None  # 600 tokens of block starts in a room of 500
+    assert held_step(STEP, capped, outcomes(a={"block_done": True})) is not None  # one always goes
+    roomy = msgspec.structs.replace(capped, recompute_tokens=600)
+    assert held_step(STEP, roomy, both) is not None
+    uncapped = msgspec.structs.replace(capped, recompute_tokens=0)
+    assert held_step(STEP, uncapped, both) is not None
+    assert repeat_step(msgspec.structs.replace(capped, repeats=1), both) is None  # a repeat keeps to it
+
+
 def joined(load_state: bool = True, drop: str = "") -> StepCommand:
     """The held command with request ``c``, placed on the instance while the step ran (less ``drop``)."""
     command = held()

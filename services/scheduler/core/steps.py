@@ -58,6 +58,9 @@ class StepConfig:
     # the recompute tokens one step carries: None, each instance's profile's budget
     # (``LatencyProfile.recompute_token_budget``); 0, no cap
     recompute_tokens: int | None = None
+    # a short answer's second step waits for the pass that plans it with its first prediction
+    # (``_waits_for_plan``); off, it is held ahead at the first step's provisional threshold
+    first_step_waits: bool = True
 
     @property
     def overlap(self) -> bool:
@@ -558,15 +561,18 @@ class StepScheduler:
         # the step in flight writes one version on top of the one it started from; joiners start
         # from their stored version
         num_stepping = len(st.in_flight_ids)
-        items = [StepItem(request_id=rid, threshold=threshold, may_start_block=may_start,
-                          state_version=self.view.requests[rid].state_version + (i < num_stepping),
-                          load_state=i >= num_stepping)
-                 for i, (rid, threshold, may_start) in enumerate(pairs)]
+        items = []
+        for i, (rid, threshold, may_start) in enumerate(pairs):
+            r = self.view.requests[rid]
+            items.append(StepItem(request_id=rid, threshold=threshold, may_start_block=may_start,
+                                  state_version=r.state_version + (i < num_stepping), load_state=i >= num_stepping,
+                                  context_tokens=r.context_tokens if r.cache_mode != CacheMode.NONE else 0))
         # requests that left the instance go with it (kept here until it is known to have run: a held
         # command that does not run leaves them to the next command)
         command = StepCommand(instance_id=instance_id, step_id=step_id, items=items, issued_at=now,
                               after_step_id=st.busy_step_id, drop_finished=drop_finished, repeats=repeats,
-                              drop_request_ids=list(st.drop_ids) if items else [], num_queued=self.view.num_queued)
+                              drop_request_ids=list(st.drop_ids) if items else [], num_queued=self.view.num_queued,
+                              recompute_tokens=self._held_room(instance_id, pairs, num_stepping) if pairs else 0)
         st.next_step_id = step_id
         st.next_sent[step_id] = (pairs, drop_finished, command)
         return [command]
@@ -583,14 +589,13 @@ class StepScheduler:
         if len(inst.resident_ids) - len(joining) != len(st.in_flight_ids):
             return None  # a request of the step left the instance: the pass decides what comes next
         stays = self.loop.would_stay(instance_id, st.in_flight_ids)
-        pairs, stepping = [], []
+        pairs = []
         for rid in st.in_flight_ids:
             r = self.view.requests.get(rid)
             if (r is None or r.reloading or r.instance_id != instance_id or r.status != RequestStatus.RUNNING
                     or r.threshold is None or self._waits_for_plan(r)):
                 return None
             pairs.append((rid, float(r.threshold), rid in stays))
-            stepping.append(r)
         joiners = []
         for rid in joining:
             r = self.view.requests[rid]
@@ -598,16 +603,20 @@ class StepScheduler:
                 return None
             pairs.append((rid, float(r.threshold), False))
             joiners.append(r)
-        if not self.recompute_budget(instance_id):
-            return pairs
-        joiners = [r for r in joiners if self._starts_block(r)]
-        if self._over_budget(now, instance_id, joiners):
+        if self._over_budget(now, instance_id, [r for r in joiners if self._starts_block(r)]):
             return None  # the joiners' recomputes alone exceed the budget: the pass composes the step
-        # a request of the step that completes its block starts the next with a recompute: only those
-        # the budget has room for beside the joiners may (else the worker waits for the pass)
-        spent = sum(r.context_tokens for r in joiners)
-        no_room = self._over_budget(now, instance_id, [r for r in stepping if r.cache_mode != CacheMode.NONE], spent)
-        return [(rid, threshold, may_start and rid not in no_room) for rid, threshold, may_start in pairs]
+        return pairs
+
+    def _held_room(self, instance_id: str, pairs: list[tuple[str, float, bool]], num_stepping: int) -> int:
+        """The held command's ``recompute_tokens``: the instance's recompute budget less the block
+        starts of the requests joining it (at least 1: a cap; 0, none). Whether the requests of the
+        running step that complete their blocks fit is the worker's to judge, which knows which did
+        (``shared.pipelining``)."""
+        budget = self.recompute_budget(instance_id)
+        if not budget:
+            return 0
+        joining = [self.view.requests[rid] for rid, _, _ in pairs[num_stepping:]]
+        return max(budget - sum(r.context_tokens for r in joining if self._starts_block(r)), 1)
 
     def _waits_for_plan(self, request: Request) -> bool:
         """A request whose step runs at a provisional threshold (its first, before any prediction:
@@ -615,7 +624,8 @@ class StepScheduler:
         whose blocks take a few steps): its next step waits for the pass that plans it with its first
         prediction instead of going on at the stale threshold, which would be most of its block. A
         longer one goes on (one stale step among many: overlap's own trade for the pass's latency)."""
-        return request.num_remaining_tokens < self.config.overlap_min_tokens and self.loop.provisional(request)
+        return (self.config.first_step_waits and request.num_remaining_tokens < self.config.overlap_min_tokens
+                and self.loop.provisional(request))
 
     def _check_drained(self, now: float, instance_id: str) -> StepDecisions:
         """A draining instance with no request left and no step in flight leaves the view."""

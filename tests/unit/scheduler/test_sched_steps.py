@@ -230,6 +230,9 @@ def test_a_short_answer_at_a_provisional_threshold_holds_no_step_after_its_first
     assert after.after_step_id == second.step_id and [it.threshold for it in after.items] == [
         it.threshold for it in second.items]
 
+    hold_anyway = make_core(dataclasses.replace(PIPELINED, first_step_waits=False), policy_config={})
+    out = arrive(hold_anyway, "a", slo_s=2.0, gen_len=16, block_len=8)  # DLS_SCHEDULER_FIRST_STEP_WAITS=false
+    assert [len(c.items) for c in held(out)] == [1]
     long = make_core(PIPELINED, policy_config={})
     out = arrive(long, "a", slo_s=2.0)  # 256 tokens: one stale step among many
     assert [len(c.items) for c in held(out)] == [1]
@@ -505,20 +508,24 @@ def test_block_starts_over_the_recompute_budget_wait_for_the_next_steps_in_order
     assert derived.recompute_budget("i0") == 8 * 512
 
 
-def test_a_held_command_lets_only_the_block_starts_the_budget_has_room_for_go_on_by_themselves():
-    """Requests joining the held step start their blocks there and take the budget first; a request of
-    the running step may start its next block by itself only where room is left (else its worker
-    waits for the pass, which composes the step under the budget); joiners over it leave the step to
-    a later pass."""
+def test_a_held_command_carries_the_recompute_room_its_worker_judges_block_starts_by():
+    """Requests joining the held step start their blocks there and take the budget first; what is left
+    (``recompute_tokens``) bounds the block starts of the running step's requests, which only the
+    worker knows when its step ends (``shared.pipelining``: one always goes); joiners over the budget
+    leave the step to a later pass."""
     core = make_core(StepConfig(overlap_min_tokens=32, pipelining=True, recompute_tokens=1024))
 
     def join(rid: str, slo: float):
         return held(core.on_arrivals(0.01, [make_request(rid, 0.01, state_version=1, slo_s=slo)]))
 
     out = core.on_arrivals(0.0, [make_request("x", 0.0, state_version=1, slo_s=20.0)])
-    assert [(it.request_id, it.may_start_block) for it in held(out)[0].items] == [("x", True)]
-    [nxt] = join("y", 50.0)  # y's block start and x's possible one fit
-    assert [(it.request_id, it.may_start_block) for it in nxt.items] == [("x", True), ("y", False)]
-    [nxt] = join("z", 30.0)  # y and z fill the budget: x may go on mid-block only
-    assert [(it.request_id, it.may_start_block) for it in nxt.items] == [("x", False), ("y", False), ("z", False)]
+    [nxt] = held(out)
+    assert nxt.recompute_tokens == 1024 and [it.context_tokens for it in nxt.items] == [512]
+    [nxt] = join("y", 50.0)  # y's block start takes 512 of it
+    assert nxt.recompute_tokens == 512 and [it.request_id for it in nxt.items] == ["x", "y"]
+    [nxt] = join("z", 30.0)  # y and z take it all: x may still start a block alone (one always may)
+    assert nxt.recompute_tokens == 1 and [it.request_id for it in nxt.items] == ["x", "y", "z"]
     assert join("w", 40.0) == []  # three block starts are over it: the held step sent stands, w waits for a pass
+    uncapped = make_core(StepConfig(overlap_min_tokens=32, pipelining=True, recompute_tokens=0))
+    [nxt] = held(arrive(uncapped, "a"))
+    assert nxt.recompute_tokens == 0
