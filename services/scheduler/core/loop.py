@@ -156,6 +156,13 @@ class SchedulingLoop:
         provisional = getattr(self.policy, "provisional", None)
         return bool(provisional(request)) if provisional is not None else False
 
+    def yielding(self, now: float, instance_id: str, requests: list[Request]) -> set[str]:
+        """Of the requests a step on ``instance_id`` would carry, those the policy leaves out of it
+        (DiLaServe: late requests beyond one per step while others can still make their deadlines);
+        none for policies that cannot say."""
+        yielding = getattr(self.policy, "yielding", None)
+        return yielding(now, self.view, instance_id, requests) if yielding is not None and requests else set()
+
     def on_prediction(self, now: float, request_id: str, prediction: Prediction) -> None:
         """A prediction that arrived on its own; used when the request is next re-planned."""
         self.view.set_prediction(request_id, prediction)

@@ -167,7 +167,8 @@ class StepScheduler:
         self._resend: dict[str, None] = {}  # busy ones among them whose held command may have changed
         self.counters = {"continued_steps": 0, "pipelined_steps": 0, "late_held_steps": 0, "migrations": 0,
                          "failed_steps": 0, "lost_steps": 0, "recovered_steps": 0, "preemptions": 0,
-                         "kv_refused_steps": 0, "repeated_steps": 0, "recomputes_deferred": 0}
+                         "kv_refused_steps": 0, "repeated_steps": 0, "recomputes_deferred": 0,
+                         "late_yields": 0}
         self._budgets: dict[str, int] = {}  # instance id -> its profile's recompute token budget
 
     # --- events ----------------------------------------------------------------------------------
@@ -490,12 +491,22 @@ class StepScheduler:
         """Its next step is a block-start recompute (with a cache: without one every step is full)."""
         return r.cache_mode != CacheMode.NONE and r.num_block_steps == 0
 
+    def _runnable(self, instance_id: str) -> list[Request]:
+        """The requests on the instance whose next step is assigned and whose state is in place."""
+        return [r for rid in self.view.instances[instance_id].resident_ids
+                if (r := self.view.requests[rid]).status in _RUNNABLE and not r.reloading]
+
     def _batch(self, now: float, instance_id: str) -> list[StepItem]:
-        """Batch composition: the requests on the instance whose next step is assigned, less the
-        block starts over its recompute budget (``_over_budget``: they go in a later step)."""
+        """Batch composition: the requests on the instance whose next step is assigned, less those the
+        policy leaves out (``SchedulingLoop.yielding``: late ones, while others can make their
+        deadlines) and the block starts over its recompute budget (``_over_budget``); both go in a
+        later step."""
         items = []
-        runnable = [r for rid in self.view.instances[instance_id].resident_ids
-                    if (r := self.view.requests[rid]).status in _RUNNABLE and not r.reloading]
+        runnable = self._runnable(instance_id)
+        yielding = self.loop.yielding(now, instance_id, runnable)
+        if yielding:
+            self.counters["late_yields"] += len(yielding)
+            runnable = [r for r in runnable if r.request_id not in yielding]
         later = self._over_budget(now, instance_id, [r for r in runnable if self._starts_block(r)])
         if later:
             self.counters["recomputes_deferred"] += len(later)
@@ -585,8 +596,11 @@ class StepScheduler:
         if inst is None or not inst.alive or (self.view.num_queued > 0 and inst.batch < inst.max_batch):
             return None
         in_flight = set(st.in_flight_ids)
-        joining = [rid for rid in inst.resident_ids if rid not in in_flight]
-        if len(inst.resident_ids) - len(joining) != len(st.in_flight_ids):
+        # requests the policy leaves out of the next step stay out of the held one too (those of the
+        # running step go on in it: one step, which the pass after it corrects)
+        yielding = self.loop.yielding(now, instance_id, self._runnable(instance_id)) - in_flight
+        joining = [rid for rid in inst.resident_ids if rid not in in_flight and rid not in yielding]
+        if len(inst.resident_ids) - len(joining) - len(yielding) != len(st.in_flight_ids):
             return None  # a request of the step left the instance: the pass decides what comes next
         stays = self.loop.would_stay(instance_id, st.in_flight_ids)
         pairs = []

@@ -508,6 +508,44 @@ def test_block_starts_over_the_recompute_budget_wait_for_the_next_steps_in_order
     assert derived.recompute_budget("i0") == 8 * 512
 
 
+def test_late_requests_yield_their_places_to_those_that_can_still_make_their_deadlines():
+    """DiLaServe leaves out of a step the requests that can no longer make their deadlines, but for
+    the one with the earliest deadline (``late_per_step``: none starves); where every request is late
+    they all go, and a baseline policy steps them like any other."""
+    slos = (("a", 40.0), ("late1", 0.02), ("b", 30.0), ("late2", 0.01), ("late3", 0.03))
+    core = make_core(StepConfig(overlap_min_tokens=0, pipelining=False, recompute_tokens=0))
+    out = core.on_arrivals(0.0, [make_request(rid, 0.0, state_version=1, slo_s=slo) for rid, slo in slos])
+    [first] = plain(out)
+    assert sorted(it.request_id for it in first.items) == ["a", "b", "late2"]
+    assert core.counters["late_yields"] == 2
+    assert core.view.requests["late1"].status == RequestStatus.RUNNING  # placed, waiting for its turn
+    _, rest = step(core, 0.1, first, finished=("a", "b"))
+    [second] = plain(rest)  # no one left who can make it: the late ones all go
+    assert sorted(it.request_id for it in second.items) == ["late1", "late2", "late3"]
+
+    every = make_core(StepConfig(overlap_min_tokens=0, pipelining=False, recompute_tokens=0),
+                      policy_config={**MECHANICS, "late_per_step": None})
+    [first] = plain(every.on_arrivals(0.0, [make_request(rid, 0.0, state_version=1, slo_s=slo) for rid, slo in slos]))
+    assert len(first.items) == 5 and every.counters["late_yields"] == 0
+    baseline = make_core(StepConfig(overlap_min_tokens=0, pipelining=False, recompute_tokens=0), policy="infaas")
+    [first] = plain(baseline.on_arrivals(0.0, [make_request(rid, 0.0, state_version=1, slo_s=slo)
+                                                for rid, slo in slos]))
+    assert len(first.items) == 5
+
+
+def test_a_held_command_leaves_out_the_requests_that_yield():
+    """A late request placed while a step runs does not join the held step (it yields there as in the
+    pass's), and the held command still goes out for those that can make their deadlines."""
+    core = make_core(StepConfig(overlap_min_tokens=32, pipelining=True, recompute_tokens=0))
+    out = core.on_arrivals(0.0, [make_request(rid, 0.0, state_version=1, slo_s=40.0) for rid in ("a", "b")])
+    [first] = plain(out)
+    late = held(core.on_arrivals(0.01, [make_request("late", 0.01, state_version=1, slo_s=0.005),
+                                        make_request("later", 0.01, state_version=1, slo_s=0.001)]))
+    assert late, "a held command still goes out"
+    assert [it.request_id for it in late[-1].items] == ["a", "b", "later"]  # one late joins: the earliest deadline
+    assert late[-1].after_step_id == first.step_id
+
+
 def test_a_held_command_carries_the_recompute_room_its_worker_judges_block_starts_by():
     """Requests joining the held step start their blocks there and take the budget first; what is left
     (``recompute_tokens``) bounds the block starts of the running step's requests, which only the
