@@ -21,7 +21,8 @@ from sim.cluster import ClusterSpec
 from sim.registry import Registry
 from sim.workload import SloClass, WorkloadConfig
 
-BENCH_POLICIES = ("dilaserve", "infaas", "llumnix")
+BASELINES = ("infaas", "llumnix")  # the paper's baselines, which every comparing preset runs beside its own policies
+BENCH_POLICIES = ("dilaserve", *BASELINES)
 ALL_THRESHOLDS = (0.5, 0.6, 0.7, 0.8, 0.9)  # the paper's whole candidate set
 
 # label -> (core policy name, config overrides)
@@ -147,7 +148,7 @@ PRESETS.register(
         _BENCH_CLUSTER,
         WorkloadConfig(arrival="poisson", num_requests=4000, num_shots=5),
         _rate_points((0.5, 1.0, 1.5, 2.0)),
-        policies=("fixed-0.9", "dilaserve-no-loadctl", "dilaserve"),
+        policies=("fixed-0.9", "dilaserve-no-loadctl", "dilaserve", *BASELINES),
         cache_mode=CacheMode.NONE,
         quick_overrides={"workload": {"num_requests": 1200}, "points": _rate_points((1.0, 2.0))},
     ),
@@ -162,7 +163,7 @@ PRESETS.register(
         _BENCH_CLUSTER,
         WorkloadConfig(arrival="poisson", num_requests=4000, num_shots=5),
         _rate_points((1.0, 2.0, 3.0)),
-        policies=LOADCTL_POLICIES,
+        policies=(*LOADCTL_POLICIES, *BASELINES),
         cache_mode=CacheMode.NONE,
         quick_overrides={"workload": {"num_requests": 1200}, "points": _rate_points((1.0, 2.0, 3.0))},
     ),
@@ -176,7 +177,7 @@ PRESETS.register(
         _BENCH_CLUSTER,
         WorkloadConfig(arrival="poisson", num_requests=4000, num_shots=5),
         _rate_points((1.0, 1.5, 2.0)),
-        policies=("dilaserve-oneshot", "dilaserve"),
+        policies=("dilaserve-oneshot", "dilaserve", *BASELINES),
         cache_mode=CacheMode.NONE,
         quick_overrides={"workload": {"num_requests": 1200}, "points": _rate_points((1.0, 2.0))},
     ),
@@ -190,7 +191,7 @@ PRESETS.register(
         _BENCH_CLUSTER,
         WorkloadConfig(arrival="gamma", cv=3.0, num_requests=4000, num_shots=5),
         _rate_points((0.5, 1.0, 1.5)),
-        policies=("dilaserve-no-migration", "dilaserve-any-step", "dilaserve"),
+        policies=("dilaserve-no-migration", "dilaserve-any-step", "dilaserve", *BASELINES),
         cache_mode=CacheMode.DUAL,
         quick_overrides={"workload": {"num_requests": 1200}, "points": _rate_points((1.0,))},
     ),
@@ -218,7 +219,7 @@ PRESETS.register(
         _BENCH_CLUSTER,
         WorkloadConfig(arrival="poisson", num_requests=3000),
         tuple(Point(1.5, f"shots={k}", {"num_shots": k}) for k in (0, 2, 5, 8)),
-        policies=("dilaserve", "infaas"),
+        policies=BENCH_POLICIES,
         cache_mode=CacheMode.NONE,
         quick_overrides={"workload": {"num_requests": 800},
                          "points": tuple(Point(1.5, f"shots={k}", {"num_shots": k}) for k in (0, 8))},
@@ -234,7 +235,7 @@ PRESETS.register(
         _BENCH_CLUSTER,
         WorkloadConfig(arrival="poisson", num_requests=3000, num_shots=5),
         tuple(Point(1.5, f"gen={g}", {"gen_len": g}) for g in (16, 24, 32)),
-        policies=("dilaserve", "infaas"),
+        policies=BENCH_POLICIES,
         cache_mode=CacheMode.NONE,
         quick_overrides={"workload": {"num_requests": 800},
                          "points": tuple(Point(1.5, f"gen={g}", {"gen_len": g}) for g in (16, 32))},
@@ -313,7 +314,7 @@ PRESETS.register(
         _BENCH_CLUSTER,
         _LONG_WORKLOAD,
         _rate_points((1.0, 2.0, 3.0)),
-        policies=("fixed-0.9", "dilaserve-no-loadctl", "dilaserve"),
+        policies=("fixed-0.9", "dilaserve-no-loadctl", "dilaserve", *BASELINES),
         cache_mode=CacheMode.DUAL,
         quick_overrides={"workload": {"num_requests": 800}, "points": _rate_points((2.0, 3.0))},
     ),
@@ -327,7 +328,7 @@ PRESETS.register(
         _BENCH_CLUSTER,
         _LONG_WORKLOAD,
         _rate_points((1.0, 2.0, 3.0)),
-        policies=LOADCTL_POLICIES,
+        policies=(*LOADCTL_POLICIES, *BASELINES),
         cache_mode=CacheMode.DUAL,
         quick_overrides={"workload": {"num_requests": 800}, "points": _rate_points((2.0, 3.0))},
     ),
@@ -341,7 +342,7 @@ PRESETS.register(
         _BENCH_CLUSTER,
         _LONG_WORKLOAD,
         _rate_points((1.0, 2.0)),
-        policies=("dilaserve-oneshot", "dilaserve"),
+        policies=("dilaserve-oneshot", "dilaserve", *BASELINES),
         cache_mode=CacheMode.DUAL,
         quick_overrides={"workload": {"num_requests": 800}, "points": _rate_points((2.0,))},
     ),

@@ -3,6 +3,7 @@
 import json
 import os
 
+from sim.presets import BASELINES
 from sim.report import table
 
 D = "runs/sim"
@@ -25,7 +26,6 @@ TRACE_RUNS = (  # (JSON name, short name, what it replays): paper-trace --quick 
      "`tests/data/AzureLLMInferenceTrace_code_first10min.csv`, the first 10 minutes of the same trace's code "
      "service (1,482 requests, native 2.53 req/s, in bursts with quiet spells between: long prompts, short answers)"),
 )
-BASELINES = ("infaas", "llumnix")
 
 
 def _point(data: dict, label: str, point_label: str) -> dict | None:
@@ -564,6 +564,51 @@ def multi_model(data: dict | None, fast: dict | None) -> str:
     return "\n".join(out)
 
 
+ACCEPTANCE_RUNS = (  # (JSON name, what it is): every preset at quick size, DiLaServe against both baselines
+    ("paper-bench-quick", "paper-bench"), ("paper-bench-long-quick", "paper-bench-long"),
+    ("ablation-threshold-quick", "ablation-threshold"), ("ablation-loadctl-quick", "ablation-loadctl"),
+    ("ablation-predictor-quick", "ablation-predictor"), ("ablation-migration-quick", "ablation-migration"),
+    ("ablation-cache-quick", "ablation-cache"), ("ablation-threshold-long-quick", "ablation-threshold-long"),
+    ("ablation-loadctl-long-quick", "ablation-loadctl-long"), ("ablation-predictor-long-quick", "ablation-predictor-long"),
+    ("paper-trace-azure-quick", "paper-trace, Azure conversation slice"),
+    ("paper-trace-azure-code-quick", "paper-trace, Azure code slice"), ("mixed-slo-quick", "mixed-slo"),
+    ("sweep-input-quick", "sweep-input"),
+)
+TOP_LEAD_PP = 5.0  # DiLaServe's lead at a preset's top point over the better baseline
+ACCURACY_PP = 1.0  # the accuracy it may give up against either
+
+
+def every_preset(load_run) -> str:
+    """DiLaServe against the better of INFaaS and Llumnix at every point of every preset: at or above
+    both everywhere, at least ``TOP_LEAD_PP`` ahead at the top point, accuracy within ``ACCURACY_PP``."""
+    out = ["## Every preset against both baselines\n",
+           f"`dls compare --quick` on every preset (the commands above). Per point: SLO attainment (accuracy) "
+           f"of DiLaServe and of each baseline, and DiLaServe's lead over the better one. A preset holds when "
+           f"DiLaServe is at or above both baselines at every point, at least {TOP_LEAD_PP:g} points ahead at the "
+           f"top point, at accuracy within {ACCURACY_PP:g} point of each.\n",
+           "| preset | point | DiLaServe | INFaaS | Llumnix | lead, pp | holds |", "|---|---|---|---|---|---:|---|"]
+    missing = []
+    for name, what in ACCEPTANCE_RUNS:
+        data = load_run(name)
+        if not data or not all(k in data["policies"] for k in ("dilaserve", *BASELINES)):
+            missing.append(name)
+            continue
+        points = data["policies"]["dilaserve"]["points"]
+        for n, d in enumerate(points):
+            base = [_point(data, b, d["label"]) for b in BASELINES]
+            best = max(b["slo_attainment"] for b in base)
+            lead = 100 * (d["slo_attainment"] - best)
+            acc = max(100 * (b["accuracy"] - d["accuracy"]) for b in base)
+            need = TOP_LEAD_PP if n == len(points) - 1 else 0.0
+            verdict = "yes" if lead >= need - 1e-9 and acc <= ACCURACY_PP + 1e-9 else (
+                "no: accuracy" if lead >= need - 1e-9 else "no: behind" if lead < 0 else f"no: lead under {need:g}")
+            cells = [f"{100 * x['slo_attainment']:.1f} ({100 * x['accuracy']:.1f})" for x in (d, *base)]
+            out.append(f"| {what if n == 0 else ''} | {d['label']} | {' | '.join(cells)} | {_signed(lead)} | {verdict} |")
+    if missing:
+        out.append(f"\nNot run (or without both baselines): {', '.join(missing)}.")
+    return "\n".join(out) + "\n"
+
+
 def main() -> None:
     pbq = load("paper-bench-quick")
     out = []
@@ -645,6 +690,7 @@ def main() -> None:
         w(f"| long answers: dynamic threshold vs fixed; + load control | +70.8; +42.4 pp | "
           f"{'; '.join(f'{fixed} pp; {lc} pp at {label}' for label, lc, fixed in rows)} (ablation-threshold-long quick) |")
     w("")
+    w(every_preset(load))
     w(narrative(pbq, full, pt_q, abl))
     w(long_answers(*(load(name) for name in LONG_RUNS)))
     w(load_control_experiment(load("ablation-loadctl-quick"), load("ablation-loadctl-long-quick")))
@@ -654,7 +700,7 @@ def main() -> None:
     w(multi_model(load("multi-model-quick"), load("multi-model-quick-switch2")))
     w("## Tables\n")
     for name in ("paper-bench-quick", "paper-bench", *LONG_RUNS, *(n for n, _, _ in TRACE_RUNS), "ablation-threshold-quick",
-                 "ablation-loadctl-quick", "ablation-loadctl-long-quick", "ablation-predictor-quick", "ablation-migration-quick", "ablation-cache-quick", "sweep-input-quick",
+                 "ablation-loadctl-quick", "ablation-loadctl-long-quick", "ablation-predictor-quick", "ablation-migration-quick", "ablation-cache-quick", "mixed-slo-quick", "sweep-input-quick",
                  *(n + MEASURED_SUFFIX for n, _, _ in HEADLINE_RUNS)):
         data = load(name)
         if data:

@@ -14,7 +14,7 @@ done
 nice -n 10 .venv/bin/dls compare --preset paper-bench-long --json $D/paper-bench-long.json --plot $D/paper-bench-long.png > $D/paper-bench-long.txt 2>&1
 nice -n 10 .venv/bin/dls compare --preset ablation-threshold --quick --json $D/ablation-threshold-quick.json --plot $D/ablation-threshold-quick.png > $D/ablation-threshold-quick.txt 2>&1
 nice -n 10 .venv/bin/dls compare --preset paper-bench --no-fidelity --policies dilaserve,infaas,llumnix,dilaserve-all-thresholds --json $D/paper-bench.json --plot $D/paper-bench.png > $D/paper-bench.txt 2>&1
-for P in ablation-loadctl ablation-predictor ablation-migration ablation-cache sweep-input; do
+for P in ablation-loadctl ablation-predictor ablation-migration ablation-cache mixed-slo sweep-input; do
   nice -n 10 .venv/bin/dls compare --preset $P --quick --json $D/$P-quick.json > $D/$P-quick.txt 2>&1
 done
 # the headline runs again on the profile measured on an H200 (docs/results.md, "The headlines on a measured profile")

@@ -80,3 +80,21 @@ def test_multi_model_section_has_each_models_figures_and_the_leads():
     assert "| dilaserve | 95.0 | 94.0 | 99.0 | 0.90, - | 96.0 | 99.0 | 0.90, - | 5 |" in text
     assert "+5.0 points over static" in text and "saving 20%" in text
     assert results_doc.multi_model(None, None) == ""
+
+
+def test_every_preset_judges_each_point_against_the_better_baseline():
+    runs = {
+        "paper-bench-quick": compare_json({}, {"dilaserve": (1.0, 0.9), "infaas": (0.8, 0.4), "llumnix": (0.8, 0.5)}),
+        "ablation-cache-quick": compare_json({}, {"dilaserve": (0.9, 0.53), "infaas": (0.5, 0.5),
+                                                  "llumnix": (0.95, 0.3)}),
+        "mixed-slo-quick": compare_json({}, {"dilaserve": (1.0, 0.9), "infaas": (0.8, 0.4), "llumnix": (0.8, 0.5)}),
+        "ablation-migration-quick": compare_json({}, {"dilaserve": (1.0, 0.9)}),  # no baselines: not judged
+    }
+    for p in runs["mixed-slo-quick"]["policies"]["dilaserve"]["points"]:
+        p["accuracy"] = 0.975  # 1.5 points under the baselines' 0.99
+    rows = [line for line in results_doc.every_preset(runs.get).splitlines() if line.startswith("| ")][1:]
+    assert rows[:2] == ["| paper-bench | 1.0x | 100.0 (99.0) | 80.0 (99.0) | 80.0 (99.0) | +20.0 | yes |",
+                        "|  | 2.0x | 90.0 (99.0) | 40.0 (99.0) | 50.0 (99.0) | +40.0 | yes |"]
+    assert rows[2].endswith("| -5.0 | no: behind |") and rows[3].endswith("| +3.0 | no: lead under 5 |")
+    assert rows[4].endswith("| no: accuracy |") and len(rows) == 6
+    assert "Not run (or without both baselines): paper-bench-long-quick" in results_doc.every_preset(runs.get)
