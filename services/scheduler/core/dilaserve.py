@@ -98,7 +98,7 @@ class DiLaServeConfig(BaseModel):
     # instance: the others yield their places (``yielding``), earliest deadline first among them, so
     # overload is spent on requests that can still meet their SLOs and no late request starves
     # (one goes on in every step). None: late requests step like any other. ablation-cache --quick
-    # at 2x: 31.1% -> 42.5% (INFaaS 30.4%); at 1x 93.5% -> 93.7%, p99 4.5 -> 4.8 s; without the one
+    # at 2x: 31.1% -> 42.3% (INFaaS 30.4%); at 1x 93.5% -> 93.7%, p99 4.5 -> 5.0 s; without the one
     # that goes on, 1x p99 12.2 s (docs/notes.md, item 16)
     late_per_step: int | None = Field(1, ge=0)
 
