@@ -87,6 +87,13 @@ def _bench_figures(prefix: str) -> Callable[[dict], dict[str, float]]:
     return figures
 
 
+def _cache_figures(result: dict) -> dict[str, float]:
+    """ablation-cache at 2x: the lead, and its accuracy loss apart from the cross-run figure (a known
+    gap: bench/floors.toml says why)."""
+    lead, loss = gaps(result)[TOP_POINT]
+    return {"ablation_cache_lead_pp": lead, "ablation_cache_accuracy_loss_pp": loss}
+
+
 def _trace_figures(prefix: str, top: bool) -> Callable[[dict], dict[str, float]]:
     def figures(result: dict) -> dict[str, float]:
         by_point = gaps(result)
@@ -120,6 +127,8 @@ def runs(out_dir: Path) -> list[Run]:
         Run("azure-code", _compare("paper-trace", "--trace", CODE_TRACE), _trace_figures("azure_code", top=False),
             lane=1),
         Run("azure-conv", _compare("paper-trace", "--trace", CONV_TRACE), _trace_figures("azure_conv", top=True),
+            lane=1),
+        Run("ablation-cache", _compare("ablation-cache", "--policies", "dilaserve,infaas,llumnix"), _cache_figures,
             lane=1),
         Run("predictor", ("-m", "bench.predictor", "--quick", "--repeats", "5",
                           "--traces-dir", str(out_dir / "predictor-traces")), _predictor_figures, lane=1),
@@ -211,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.guard", description=__doc__.split("\n")[0])
     parser.add_argument("--json", metavar="PATH", help="write the report here too")
     parser.add_argument("--only", default=None, help="comma-separated runs: predictor, paper-bench, "
-                        "paper-bench-long, paper-bench-long-h200, azure-code, azure-conv (default: all)")
+                        "paper-bench-long, paper-bench-long-h200, azure-code, azure-conv, ablation-cache (default: all)")
     parser.add_argument("--figures", metavar="FILE", help="check these figures instead of measuring")
     parser.add_argument("--floors", default=str(FLOORS_FILE), help="the floors file")
     parser.add_argument("--out-dir", default="runs/guard", help="where each command's JSON goes")
