@@ -51,8 +51,10 @@ def _paced_wait(monkeypatch, profile_path, kinds: list[StepKind], modes: list[Ca
         waits.append(seconds)
 
     monkeypatch.setattr(asyncio, "sleep", record)
-    # the step "starts" 10 s from now, so the wait is the target plus 10 s whatever this machine's speed
-    asyncio.run(worker._pace(time.perf_counter() + 10.0, outcomes, states))
+    # the clock stands still and the step "starts" 10 s after it, so the wait is the target plus 10 s
+    # however long this machine takes to get there (a loaded machine took 4 ms with the clock running)
+    monkeypatch.setattr(time, "perf_counter", lambda: 1000.0)
+    asyncio.run(worker._pace(1010.0, outcomes, states))
     return waits[0] - 10.0
 
 
