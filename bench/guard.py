@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.common import emit_json
-from sim.results_doc import BASELINES
+from sim.results_doc import gaps
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 FLOORS_FILE = REPO_ROOT / "bench" / "floors.toml"
@@ -59,23 +59,6 @@ class Run:
 def _compare(preset: str, *extra: str) -> tuple[str, ...]:
     return ("-c", "from services.cli import main; raise SystemExit(main())", "compare", "--preset", preset,
             "--quick", "--no-fidelity", *extra)
-
-
-def _points(result: dict, policy: str) -> dict[str, dict]:
-    return {p["label"]: p for p in result["policies"][policy]["points"]}
-
-
-def gaps(result: dict) -> dict[str, tuple[float, float]]:
-    """Per point label: (DiLaServe's SLO attainment minus the better baseline's, the better baseline's
-    accuracy minus DiLaServe's), both in points."""
-    dilaserve = _points(result, "dilaserve")
-    baselines = [_points(result, b) for b in BASELINES]
-    out = {}
-    for label, point in dilaserve.items():
-        best_slo = max(b[label]["slo_attainment"] for b in baselines)
-        best_acc = max(b[label]["accuracy"] for b in baselines)
-        out[label] = (100 * (point["slo_attainment"] - best_slo), 100 * (best_acc - point["accuracy"]))
-    return out
 
 
 def _bench_figures(prefix: str) -> Callable[[dict], dict[str, float]]:

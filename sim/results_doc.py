@@ -578,6 +578,18 @@ TOP_LEAD_PP = 5.0  # DiLaServe's lead at a preset's top point over the better ba
 ACCURACY_PP = 1.0  # the accuracy it may give up against either
 
 
+def gaps(result: dict) -> dict[str, tuple[float, float]]:
+    """Per point label of a compare JSON: (DiLaServe's SLO attainment minus the better baseline's, the
+    better baseline's accuracy minus DiLaServe's), both in points (``every_preset`` and ``bench.guard``)."""
+    points = {label: {p["label"]: p for p in result["policies"][label]["points"]} for label in ("dilaserve", *BASELINES)}
+    out = {}
+    for label, point in points["dilaserve"].items():
+        base = [points[b][label] for b in BASELINES]
+        out[label] = (100 * (point["slo_attainment"] - max(b["slo_attainment"] for b in base)),
+                      100 * (max(b["accuracy"] for b in base) - point["accuracy"]))
+    return out
+
+
 def every_preset(load_run) -> str:
     """DiLaServe against the better of INFaaS and Llumnix at every point of every preset: at or above
     both everywhere, at least ``TOP_LEAD_PP`` ahead at the top point, accuracy within ``ACCURACY_PP``."""
@@ -594,11 +606,10 @@ def every_preset(load_run) -> str:
             missing.append(name)
             continue
         points = data["policies"]["dilaserve"]["points"]
+        by_point = gaps(data)
         for n, d in enumerate(points):
             base = [_point(data, b, d["label"]) for b in BASELINES]
-            best = max(b["slo_attainment"] for b in base)
-            lead = 100 * (d["slo_attainment"] - best)
-            acc = max(100 * (b["accuracy"] - d["accuracy"]) for b in base)
+            lead, acc = by_point[d["label"]]
             need = TOP_LEAD_PP if n == len(points) - 1 else 0.0
             verdict = "yes" if lead >= need - 1e-9 and acc <= ACCURACY_PP + 1e-9 else (
                 "no: accuracy" if lead >= need - 1e-9 else "no: behind" if lead < 0 else f"no: lead under {need:g}")
