@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,16 @@ from tests.integration.conftest import dls_up, post_json
 from tests.integration.test_uncalibrated_stack import BUNDLED, _get
 
 pytestmark = pytest.mark.integration
+
+
+def _both_workers(url: str, timeout_s: float = 180.0) -> dict:
+    """The stack's /v1/cluster once it lists two instances (or the last answer at the deadline)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        cluster = _get(f"{url}/v1/cluster")
+        if len(cluster["instances"]) >= 2 or time.monotonic() > deadline:
+            return cluster
+        time.sleep(0.5)
 
 
 def test_two_stacks_on_one_nats_and_redis_stay_apart(tmp_path, nats_server, redis_server, monkeypatch):
@@ -34,9 +45,9 @@ def test_two_stacks_on_one_nats_and_redis_stay_apart(tmp_path, nats_server, redi
                 status, answer = post_json(f"{stack.url}/v1/completions",
                                            {"model": model, "prompt": "12+30=", "max_tokens": 16})
                 assert status == 200 and answer["choices"][0]["text"].strip() == "42", answer
-            cluster = _get(f"{stack.url}/v1/cluster")
+            cluster = _both_workers(stack.url)  # "serving" means one worker is up; the second may still load
             assert {i["model"] for i in cluster["instances"]} == {model}  # its own two workers alone
-            assert len(cluster["instances"]) == 2
+            assert len(cluster["instances"]) == 2, cluster
     store = redis.Redis.from_url(redis_server.url)
     for stack in (first, second):  # each stack's requests under its own prefix, dls<gateway port>
         assert store.keys(f"dls{stack.url.rsplit(':', 1)[1]}:*"), stack.url
