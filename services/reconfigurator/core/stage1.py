@@ -32,6 +32,10 @@ Objective, lexicographic, in two solves (a weighted sum cannot keep the order wi
   1. maximise Q = sum_o w_c t_o x[o]            average threshold per output token,
                                                  w_c = lam_c out_c / sum lam out
   2. add Q >= Q* - tolerance, maximise S = sum_o w_c (1 - lat_o / SLO_c) x[o]   (SLO slack)
+First, one solve tries the case below overload: with every option under its class's highest
+threshold fixed at 0, maximise S. Feasible, Q is the most it can be, so this is the lexicographic
+optimum in one smaller solve (two models on 64 GPUs: 1.9-2.8 s of Stage 1 became 0.3-0.7 s on a
+loaded 2-core machine); infeasible (a quick proof: capacity is short), the two solves above run.
 
 Then spare GPUs (the ILP leaves them idle when they add nothing to Q or S) are filled with more
 instances of the degrees in use, the most utilised first: extra instances only loosen the stability
@@ -589,6 +593,9 @@ def _solve_lexicographic(
 ) -> DivisionPlan | None:
     m = build_model(joint, options, fixed_instances)
     solver = highs.make_highs(options.solver)
+    top_only = _solve_at_the_top(m, joint, solver)
+    if top_only is not None:
+        return top_only if fixed_instances is not None else fill_spare_gpus_joint(top_only, joint)
     first = highs.run(solver, m)
     if first not in (highs.SolveStatus.OPTIMAL, highs.SolveStatus.FEASIBLE):
         return None
@@ -604,6 +611,36 @@ def _solve_lexicographic(
     if fixed_instances is None:
         division = fill_spare_gpus_joint(division, joint)
     return division
+
+
+def _solve_at_the_top(m: pyo.ConcreteModel, joint: _JointInputs, solver) -> DivisionPlan | None:
+    """The lexicographic optimum in one solve where the cluster can run every class at its highest
+    feasible threshold (below overload, the common case): then the first level's optimum is that,
+    every share below the top is 0 there, and the second level is the slack over the top options
+    alone, a smaller ILP than either level over all of them. None where the top options cannot be
+    served (the model is left as it was built, for the two solves)."""
+    below = _below_the_top(m)
+    for g in below:
+        m.x[g].fix(0.0)
+    m.quality.deactivate()
+    m.top_slack = pyo.Objective(expr=_slack_objective(m, joint), sense=pyo.maximize)
+    status = highs.run(solver, m)
+    division = None
+    if status in (highs.SolveStatus.OPTIMAL, highs.SolveStatus.FEASIBLE):
+        division = _extract(m, joint, status == highs.SolveStatus.OPTIMAL)
+    m.del_component(m.top_slack)
+    m.quality.activate()
+    for g in below:
+        m.x[g].unfix()
+    return division
+
+
+def _below_the_top(m: pyo.ConcreteModel) -> list[int]:
+    """Options below the highest feasible threshold of their (model, class)."""
+    top: dict[tuple[int, int], float] = {}  # (model, class) -> highest feasible threshold
+    for k, _, o in m.options:
+        top[(k, o.class_index)] = max(top.get((k, o.class_index), 0.0), o.threshold)
+    return [g for g, (k, _, o) in enumerate(m.options) if o.threshold < top[(k, o.class_index)]]
 
 
 def _slack_objective(m: pyo.ConcreteModel, joint: _JointInputs):
