@@ -29,6 +29,7 @@ from services.scheduler.core import (
 )
 from services.scheduler.core.policies import POLICIES
 from services.scheduler.core.threshold import (
+    PredictionMode,
     candidates_from_quality,
     canvas_floors,
     quality_curve_key,
@@ -69,9 +70,12 @@ class Setup:
     steps: StepConfig = StepConfig()  # overlap and pipelining, as the live scheduler runs them by default
     profile_path: str = DEFAULT_PROFILE  # the latency profile's file
 
-    def predictor(self):
+    def predictor(self, one_shot: bool = False):
+        """The preset's prediction source; ``one_shot``: its arrival-only model (a policy in
+        ``PredictionMode.ONESHOT`` plans on it)."""
         thresholds = make_config("dilaserve").thresholds
-        return PREDICTION_SOURCES.get(self.prediction)(model_dir=self.model_dir, thresholds=thresholds)
+        return PREDICTION_SOURCES.get(self.prediction)(model_dir=self.model_dir, thresholds=thresholds,
+                                                       one_shot=one_shot)
 
     def candidate_thresholds(self) -> tuple[float, ...]:
         """DiLaServe's candidate thresholds: the preset's, within its quality budget on this model
@@ -271,7 +275,7 @@ def run_point(setup_: Setup, label: str, point_index: int, engine_name: str | No
     reconfigurator = _reconfigurator(setup_, clock) if reconfigures else None
     sim = Simulator(
         loop, cluster, engine, setup_.timer, workload.requests,
-        predictor=setup_.predictor(),
+        predictor=setup_.predictor(one_shot=getattr(make_config(name, config), "prediction", None) == PredictionMode.ONESHOT),
         reconfigurator=reconfigurator, cache_mode=preset.cache_mode,
         sample_period_s=preset.sample_period_s, clock=clock, steps=setup_.steps,
     )

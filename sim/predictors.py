@@ -4,7 +4,9 @@
 ``fallback_tokens_per_step`` table, which the simulator calibrates from the replay trace (the same
 numbers the engine produced). ``predictor``: the step predictor of ``services/predictor`` (issue 4),
 loaded from the engine model's directory, through its in-process client. The one-shot ablation is
-the scheduler's ``dilaserve-oneshot`` policy (it keeps the first prediction and scales it).
+the scheduler's ``dilaserve-oneshot`` policy: it keeps the first prediction and scales it, and that
+prediction comes from the predictor's one-shot model (arrival features only), as the paper's ablation
+has it, not from the online model's arrival row.
 """
 
 from __future__ import annotations
@@ -65,22 +67,26 @@ class StepPredictorSource:
         ]
 
 
-def _step_predictor(model_dir: str = "models/dls-tiny", thresholds=DEFAULT_THRESHOLDS, **_) -> PredictionSource:
+def _step_predictor(model_dir: str = "models/dls-tiny", thresholds=DEFAULT_THRESHOLDS, one_shot: bool = False,
+                    **_) -> PredictionSource:
     try:
-        return StepPredictorSource(model_dir, tuple(thresholds))
+        return StepPredictorSource(model_dir, tuple(thresholds), one_shot=one_shot)
     except ImportError as exc:
         raise KeyError(f"prediction source 'predictor' is not available ({exc})") from None
 
 
-def _auto(model_dir: str = "models/dls-tiny", thresholds=DEFAULT_THRESHOLDS, **_) -> PredictionSource:
+def _auto(model_dir: str = "models/dls-tiny", thresholds=DEFAULT_THRESHOLDS, one_shot: bool = False,
+          **_) -> PredictionSource:
     """The step predictor when one is trained next to the model, else the fallback."""
     try:
-        return StepPredictorSource(model_dir, tuple(thresholds))
+        return StepPredictorSource(model_dir, tuple(thresholds), one_shot=one_shot)
     except Exception:  # noqa: BLE001 (missing package, missing or unreadable model: fall back)
         return FallbackOnly()
 
 
-# name -> factory(model_dir=..., thresholds=...)
+# name -> factory(model_dir=..., thresholds=..., one_shot=...): ``one_shot`` asks for the predictor's
+# arrival-only ablation model, which a policy planning on its first prediction alone reads
+# (``PredictionMode.ONESHOT``: the live predictor service started with its one-shot model serves it)
 PREDICTION_SOURCES: Registry = Registry("prediction source")
 PREDICTION_SOURCES.register("fallback", lambda **kw: FallbackOnly())
 PREDICTION_SOURCES.register("predictor", _step_predictor)

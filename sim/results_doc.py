@@ -227,7 +227,9 @@ def long_answers(pbl, abl, pred, full=None) -> str:
         out.append("")
         out.append(LOAD_CONTROL_LONG + _load_control_at_top(abl))
     if pred:
-        out.append("Predictor ablation (`ablation-predictor-long --quick`):\n")
+        out.append("Predictor ablation (`ablation-predictor-long --quick`): *one-shot* plans every step on "
+                   "the predictor's one-shot model (arrival features only), scaled by the tokens left; "
+                   "*online* on the latest prediction, refreshed after every step.\n")
         out.append("| point | one-shot | online |\n|---|---|---|")
         for index, o in enumerate(pred["policies"]["dilaserve-oneshot"]["points"]):
             n = pt(pred, "dilaserve", index)
@@ -363,7 +365,8 @@ def load_control_experiment(short: dict | None, long: dict | None) -> str:
     out = ["## Load control (Algorithm 2), tested\n",
            "Each cell: SLO attainment without load control -> with it (the difference in points), and the "
            "accuracy with it. *Once*: Algorithm 1 chooses a request's threshold at its first placement from "
-           "the prediction made at arrival and keeps it (`plan_once`, `prediction: oneshot`); load control, "
+           "the predictor's one-shot model (arrival features only) and keeps it (`plan_once`, "
+           "`prediction: oneshot`); load control, "
            "when on, still caps it at every step. *Every step*: DiLaServe as it runs. *All five*: the paper's "
            "0.5-0.9 whatever the accuracy costs; *within the budget*: the candidates the 1-point quality "
            "budget keeps.\n"]

@@ -1,11 +1,15 @@
-from pathlib import Path
-
+import msgspec
 import pytest
 
+from services.predictor.core.loading import predictor_dir
 from shared.messages.predictor import PredictionQuery
+from sim import experiments
 from sim.predictors import PREDICTION_SOURCES, FallbackOnly
+from sim.presets import PRESETS
+from tests.unit.sim.sim_builders import make_trace
 
 MODEL_DIR = "models/dls-tiny"
+TRAINED = pytest.mark.skipif(not (predictor_dir(MODEL_DIR) / "model.txt").exists(), reason="no trained step predictor")
 
 
 def _query():
@@ -19,7 +23,7 @@ def test_fallback_gives_no_predictions():
     assert FallbackOnly().predict([_query(), _query()]) == [None, None]
 
 
-@pytest.mark.skipif(not (Path(MODEL_DIR) / "predictor").is_dir(), reason="no trained step predictor")
+@TRAINED
 def test_step_predictor_gives_scheduler_predictions_for_every_threshold():
     source = PREDICTION_SOURCES.get("predictor")(model_dir=MODEL_DIR, thresholds=(0.5, 0.7, 0.9))
     [prediction] = source.predict([_query()])
@@ -31,3 +35,26 @@ def test_step_predictor_gives_scheduler_predictions_for_every_threshold():
 
 def test_auto_falls_back_without_a_predictor(tmp_path):
     assert isinstance(PREDICTION_SOURCES.get("auto")(model_dir=str(tmp_path)), FallbackOnly)
+
+
+@TRAINED
+def test_the_one_shot_source_answers_from_arrival_features_alone():
+    """What ``dilaserve-oneshot`` plans on: the predictor's one-shot model, which reads a request's
+    arrival (threshold and lengths) whatever its progress; the online model reads the progress."""
+    thresholds = (0.7, 0.9)
+    early, late = _query(), msgspec.structs.replace(_query(), num_committed=7, block_committed=7, confidence=(0.9, 0.92, 0.95, 0.95, 0.97))
+    one_shot = PREDICTION_SOURCES.get("predictor")(model_dir=MODEL_DIR, thresholds=thresholds, one_shot=True)
+    online = PREDICTION_SOURCES.get("predictor")(model_dir=MODEL_DIR, thresholds=thresholds)
+    assert one_shot.predict([early]) == one_shot.predict([late])
+    assert online.predict([early]) != online.predict([late])
+
+
+def test_a_policy_planning_on_one_prediction_gets_the_one_shot_source(monkeypatch):
+    setup = experiments.setup(PRESETS.get("tiny").quick(), trace=make_trace(), prediction="fallback")
+    asked = []
+    real = experiments.Setup.predictor
+    monkeypatch.setattr(experiments.Setup, "predictor",
+                        lambda self, one_shot=False: asked.append(one_shot) or real(self, one_shot))
+    for label in ("dilaserve", "dilaserve-oneshot", "infaas"):
+        experiments.run_point(setup, label, 0)
+    assert asked == [False, True, False]
