@@ -21,7 +21,11 @@ Each row is masked one of two ways:
   and the rest are masked with probability t. Random masking of a long block almost never shows
   "everything the model is sure of is there, the uncertain positions are not", which is the state a
   low threshold reaches after one step, and where a model trained only on random masks is
-  over-confident about positions that depend on still-masked ones.
+  over-confident about positions that depend on still-masked ones. With ``probe_weight``, the probe
+  state itself (the block fully masked: where a threshold step starts, and where a low threshold
+  commits its mistakes) is trained too, its over-confident errors (the argmax wrong at a confidence
+  above the lowest threshold served, 0.5) weighted ``1 + overconfident_boost`` times: what a low
+  threshold commits on the first step of a block is what must be right.
 
 The loss is averaged over the canvas positions of the batch. Batches share one few-shot count and one
 canvas length, so they carry little padding; ``chain_share`` of the batches hold the long family.
@@ -102,6 +106,10 @@ class TrainConfig:
     # block lengths of semi-AR rows in chain batches (short batches: SEMI_AR_BLOCK_LENGTHS)
     chain_block_lengths: list[int] = field(default_factory=lambda: list(SEMI_AR_BLOCK_LENGTHS))
     confidence_mask_share: float = 0.0  # share of semi-AR rows masked in confidence order (docstring)
+    # those rows' probe state (block fully masked) trained with this weight, its over-confident errors
+    # with 1 + overconfident_boost of it (diffusion_loss)
+    probe_weight: float = 0.0
+    overconfident_boost: float = 0.0
 
 
 # share of semi-autoregressive rows that decode the first block: the one state where nothing of the
@@ -149,12 +157,16 @@ def encode_batch(problems: list[Problem], tokenizer: CharTokenizer, gen_length: 
 
 def diffusion_loss(model, ids, attention, answer_region, mask_id: int, generator: torch.Generator,
                    semi_ar_share: float = 0.0, answer_lengths: list[int] | None = None,
-                   block_lengths: tuple[int, ...] = SEMI_AR_BLOCK_LENGTHS, confidence_mask_share: float = 0.0):
+                   block_lengths: tuple[int, ...] = SEMI_AR_BLOCK_LENGTHS, confidence_mask_share: float = 0.0,
+                   probe_weight: float = 0.0, overconfident_boost: float = 0.0):
     """The masked-diffusion loss of one batch (see the module docstring for the masking modes).
 
     ``answer_lengths``: tokens of each row's answer before its EOS padding (semi-AR rows draw their
     block among those holding the answer and the one after it); default: the whole canvas.
     ``block_lengths``: the block lengths semi-AR rows draw from.
+    ``probe_weight``: the confidence-ordered rows' probe state (their block fully masked, the state a
+    threshold step starts from) is trained too, with this weight, and its over-confident errors (argmax
+    wrong at a confidence above the lowest threshold served) with ``1 + overconfident_boost`` of it.
     """
     batch, width = ids.shape
     t = torch.rand(batch, 1, generator=generator) * (1 - MASK_EPS) + MASK_EPS
@@ -173,30 +185,43 @@ def diffusion_loss(model, ids, attention, answer_region, mask_id: int, generator
         weights[row, canvas_start + block_end :] = 1.0
         if confidence_mask_share and float(torch.rand(1, generator=generator)) < confidence_mask_share:
             ordered.append((row, canvas_start + block_start, canvas_start + block_end))
+    probe_loss = torch.zeros(())
     if ordered:
-        _mask_in_confidence_order(model, ids, attention, masked, t, ordered, mask_id, generator)
+        probe_loss = _mask_in_confidence_order(model, ids, attention, masked, t, ordered, mask_id, generator,
+                                               probe_weight, overconfident_boost)
     noisy = torch.where(masked, torch.full_like(ids, mask_id), ids)
     logits = model(noisy, attention_mask=attention).logits
     token_loss = F.cross_entropy(logits[masked].float(), ids[masked], reduction="none")
-    return (token_loss * weights[masked]).sum() / answer_region.sum()
+    return ((token_loss * weights[masked]).sum() + probe_loss) / answer_region.sum()
 
 
 def _mask_in_confidence_order(model, ids, attention, masked, t, ordered, mask_id: int,
-                              generator: torch.Generator) -> None:
+                              generator: torch.Generator, probe_weight: float = 0.0,
+                              overconfident_boost: float = 0.0) -> torch.Tensor:
     """Re-mask each ``ordered`` block as a threshold step leaves it (module docstring): positions the
-    model is sure of on the fully masked block shown, the rest masked with probability t."""
+    model is sure of on the fully masked block shown, the rest masked with probability t. Returns the
+    probe state's summed, weighted loss (``diffusion_loss``'s ``probe_weight``; zero without it)."""
     rows = [row for row, _, _ in ordered]
     probe = torch.where(masked[rows], torch.full_like(ids[rows], mask_id), ids[rows])
     for i, (_, first, end) in enumerate(ordered):
         probe[i, first:end] = mask_id
-    with torch.no_grad():
-        confidence = model(probe, attention_mask=attention[rows]).logits.float().softmax(-1).amax(-1)
+    with torch.set_grad_enabled(probe_weight > 0 and torch.is_grad_enabled()):
+        logits = model(probe, attention_mask=attention[rows]).logits.float()
+    probabilities = logits.detach().softmax(-1)
+    confidence, guess = probabilities.max(-1)
     low, high = CONFIDENCE_MASK_THRESHOLDS
+    probe_loss = torch.zeros(())
     for i, (row, first, end) in enumerate(ordered):
+        if probe_weight > 0:
+            truth = ids[row, first:end]
+            wrong = (guess[i, first:end] != truth) & (confidence[i, first:end] > low)
+            weight = probe_weight * (1.0 + overconfident_boost * wrong.float())
+            probe_loss = probe_loss + (F.cross_entropy(logits[i, first:end], truth, reduction="none") * weight).sum()
         threshold = low + (high - low) * float(torch.rand(1, generator=generator))
         sure = confidence[i, first:end] > threshold
         remasked = torch.rand(end - first, generator=generator) < float(t[row])
         masked[row, first:end] = ~sure & remasked
+    return probe_loss
 
 
 def _semi_ar_block(gen_length: int, answer_length: int, generator: torch.Generator,
@@ -406,7 +431,8 @@ class Trainer:
         ids, attention, region, answer_lengths, long = self._batch()
         blocks = tuple(self.cfg.chain_block_lengths) if long else SEMI_AR_BLOCK_LENGTHS
         loss = diffusion_loss(self.model, ids, attention, region, self.tokenizer.mask_token_id, self.generator,
-                              self.cfg.semi_ar_share, answer_lengths, blocks, self.cfg.confidence_mask_share)
+                              self.cfg.semi_ar_share, answer_lengths, blocks, self.cfg.confidence_mask_share,
+                              self.cfg.probe_weight, self.cfg.overconfident_boost)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)

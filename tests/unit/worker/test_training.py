@@ -161,6 +161,39 @@ def test_confidence_ordered_rows_show_what_the_model_is_sure_of_and_mask_the_res
     assert masked[:, 1::2].any() and not masked[:, 1::2].all()  # the rest masked at ratio t
 
 
+def test_the_probe_state_is_trained_with_its_over_confident_errors_weighted_up():
+    tokenizer = CharTokenizer()
+    problems = TaskGenerator(seed=0).problems(4, max_shots=0, split=Split.TRAIN)
+    ids, attention, region = encode_batch(problems, tokenizer, 32)
+    width = ids.shape[1]
+    model = Trainer(TrainConfig(d_model=32, n_layers=1, n_heads=4, mlp_hidden_size=64)).model
+    probes = []
+
+    def forward(noisy, attention_mask):
+        # sure of token 0 (never the answer) at the even canvas positions: over-confident errors
+        logits = torch.zeros((*noisy.shape, tokenizer.vocab_size), requires_grad=True)
+        confident = torch.zeros_like(logits.detach())
+        confident[:, width - 32::2, 0] = 20.0
+        out = logits + confident
+        if (noisy[:, width - 32:] == tokenizer.mask_token_id).all():
+            probes.append(logits)  # the probe forward: the block fully masked
+        return type("Out", (), {"logits": out})()
+
+    model.forward = forward
+
+    def loss(weight, boost):
+        return diffusion_loss(model, ids, attention, region, tokenizer.mask_token_id, torch.Generator().manual_seed(3),
+                              semi_ar_share=1.0, answer_lengths=[32] * 4, block_lengths=(32,),
+                              confidence_mask_share=1.0, probe_weight=weight, overconfident_boost=boost)
+
+    plain, probed, boosted = loss(0.0, 0.0), loss(1.0, 0.0), loss(1.0, 4.0)
+    assert plain < probed < boosted
+    boosted.backward()
+    gradient = probes[-1].grad[:, width - 32:].abs().sum(-1)  # per block position
+    assert gradient[:, 0::2].mean() > 3 * gradient[:, 1::2].mean()  # the errors weigh 1 + 4 times as much
+    assert probes[0].grad is None  # without probe_weight the probe takes no gradient
+
+
 def test_chain_length_bias_draws_long_chains_more_often():
     def mean_items(bias: float) -> float:
         tasks = TaskGenerator(seed=5, family_weights={Family.CHAIN: 1.0}, chain_length_bias=bias)
