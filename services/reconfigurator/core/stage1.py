@@ -593,7 +593,8 @@ def _solve_lexicographic(
 ) -> DivisionPlan | None:
     m = build_model(joint, options, fixed_instances)
     solver = highs.make_highs(options.solver)
-    top_only = _solve_at_the_top(m, joint, solver)
+    # exact only where the second level may not trade quality for slack (no tolerance)
+    top_only = _solve_at_the_top(m, joint, solver) if options.quality_tolerance == 0 else None
     if top_only is not None:
         return top_only if fixed_instances is not None else fill_spare_gpus_joint(top_only, joint)
     first = highs.run(solver, m)
