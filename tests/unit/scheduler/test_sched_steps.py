@@ -533,6 +533,23 @@ def test_late_requests_yield_their_places_to_those_that_can_still_make_their_dea
     assert len(first.items) == 5
 
 
+def test_a_request_overdue_by_more_than_its_slos_yields_no_more():
+    """Yielding is bounded (``late_yield_slos``): a late request overdue by more than that many of its
+    own SLOs steps beside the on-time ones, so a sustained overload, where new arrivals are always on
+    time for a while, does not hold the late ones to one per step until their clients give up."""
+    slos = (("a", 40.0), ("late1", 0.02), ("b", 30.0), ("late2", 0.01), ("late3", 0.03))
+    config = StepConfig(overlap_min_tokens=0, pipelining=False, recompute_tokens=0)
+
+    def first_step(now: float, cap: float):
+        core = make_core(config, policy_config={**MECHANICS, "late_yield_slos": cap})
+        [first] = plain(core.on_arrivals(now, [make_request(rid, 0.0, state_version=1, slo_s=slo) for rid, slo in slos]))
+        return sorted(it.request_id for it in first.items)
+
+    assert first_step(0.05, 3.0) == ["a", "b", "late1", "late2"]  # late2 overdue by 4 of its SLOs, late3 by 0.7
+    assert first_step(0.5, 3.0) == ["a", "b", "late1", "late2", "late3"]  # all long overdue
+    assert first_step(0.5, 1000.0) == ["a", "b", "late2"]  # unbounded: one late per step
+
+
 def test_a_held_command_leaves_out_the_requests_that_yield():
     """A late request placed while a step runs does not join the held step (it yields there as in the
     pass's), and the held command still goes out for those that can make their deadlines."""
