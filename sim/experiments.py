@@ -255,6 +255,11 @@ def policy_config(setup_: Setup, label: str) -> tuple[str, dict]:
     return name, config
 
 
+def _plans_on_one_shot(name: str, config: dict) -> bool:
+    """Whether the policy plans on the predictor's one-shot model (``PredictionMode.ONESHOT``)."""
+    return getattr(make_config(name, config), "prediction", None) == PredictionMode.ONESHOT
+
+
 def run_point(setup_: Setup, label: str, point_index: int, engine_name: str | None = None, seed: int | None = None) -> dict:
     """One policy at one x-axis point; returns the summary (and timeline for reconfiguring presets)."""
     preset = setup_.preset
@@ -275,7 +280,7 @@ def run_point(setup_: Setup, label: str, point_index: int, engine_name: str | No
     reconfigurator = _reconfigurator(setup_, clock) if reconfigures else None
     sim = Simulator(
         loop, cluster, engine, setup_.timer, workload.requests,
-        predictor=setup_.predictor(one_shot=getattr(make_config(name, config), "prediction", None) == PredictionMode.ONESHOT),
+        predictor=setup_.predictor(one_shot=_plans_on_one_shot(name, config)),
         reconfigurator=reconfigurator, cache_mode=preset.cache_mode,
         sample_period_s=preset.sample_period_s, clock=clock, steps=setup_.steps,
     )
