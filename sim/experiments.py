@@ -301,6 +301,9 @@ def run_point(setup_: Setup, label: str, point_index: int, engine_name: str | No
         # as a command's repeat (none: the simulator's held commands are never late)
         continued_steps=sim.core.counters["continued_steps"], pipelined_steps=sim.core.counters["pipelined_steps"],
         repeated_steps=sim.core.counters["repeated_steps"],
+        # requests left out of a step because they were late and others were not (DiLaServe's
+        # yielding), and block starts deferred by the recompute budget, as the live scheduler logs them
+        late_yields=sim.core.counters["late_yields"], recomputes_deferred=sim.core.counters["recomputes_deferred"],
         # batched steps run and the requests each carried on average (the workers log their steps)
         batched_steps=sim.batched_steps, mean_batch=round(sim.batched_items / max(sim.batched_steps, 1), 3),
         # the same over the steps that started while requests waited in the queue, and that mean over
