@@ -54,6 +54,7 @@ from services.scheduler.core import (
     make_policy,
 )
 from services.scheduler.core.decisions import RejectReason
+from services.scheduler.core.load import BACKGROUND_PRIORITY
 from services.scheduler.core.quality_watch import QualityWatch, promised_agreement
 from services.scheduler.core.threshold import ModelFloors, candidates_from_quality, canvas_floors
 from shared.calibration import find, uncalibrated_message
@@ -1164,7 +1165,9 @@ def _invalid(request: CompletionRequest) -> str:
     return ""
 
 
-SHADOW_PRIORITY = -(10**6)  # below any client's: a shadow decoding takes a slot nobody else wants
+# below any client's: a shadow decoding takes a slot nobody else wants, and as background work it is
+# outside load control's accounting (its hour-long SLO would stretch the capacity window)
+SHADOW_PRIORITY = BACKGROUND_PRIORITY
 SHADOW_PREFIX = "shadow-"
 SHADOW_SLO_S = 3600.0
 

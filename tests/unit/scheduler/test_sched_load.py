@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from services.scheduler.core import SchedulingLoop, make_policy
 from services.scheduler.core.load import (
+    BACKGROUND_PRIORITY,
     LoadController,
     LoadTable,
     SloWindow,
@@ -140,6 +141,41 @@ def test_slo_window_mean_and_min():
     for i, slo in enumerate((10.0, 30.0)):
         table.upsert(make_request(f"r{i}", slo_s=slo), [1.0] * K, [0.0] * K, 0, 5, False)
     assert table.slo_window(SloWindow.MEAN) == 20.0 and table.slo_window(SloWindow.MIN) == 10.0
+
+
+def test_background_work_is_outside_the_accounting():
+    """A shadow decode (background priority, an hour's SLO) neither stretches the SLO window nor
+    counts in the load the clients' requests are planned against; it keeps its own range."""
+    table = LoadTable(K)
+    for i, slo in enumerate((10.0, 30.0)):
+        table.upsert(make_request(f"r{i}", slo_s=slo), [1.0] * K, [0.0] * K, 0, 5, False)
+    shadow = make_request("shadow", slo_s=3600.0, priority=BACKGROUND_PRIORITY)
+    table.upsert(shadow, [1000.0] * K, [0.0] * K, 5, 5, False)
+    assert table.slo_window(SloWindow.MEAN) == 20.0 and table.slo_window(SloWindow.MIN) == 10.0
+    loads = [[1, 2, 3, 4, 5, 6]] * 3
+    plain = build_table(loads, [0] * 3, [5] * 3, [False] * 3)
+    with_shadow = build_table(loads + [[50] * K], [0] * 4, [5] * 3 + [4], [False] * 4,
+                              priorities=[0, 0, 0, BACKGROUND_PRIORITY])
+    for table in (plain, with_shadow):
+        LoadController().run(table, capacity=10.0, kappa=1.0)
+    allowed = [[int(t.allowed_hi[t.rid_to_row[f"r{i}"]]) for i in range(3)] for t in (plain, with_shadow)]
+    assert allowed[0] == allowed[1] == [5, 2, 0]
+    assert int(with_shadow.allowed_hi[with_shadow.rid_to_row["r3"]]) == 4
+
+
+def test_a_shadow_decode_does_not_lift_load_control_in_overload(profile):
+    """Overloaded arrivals are narrowed alike with or without a background request in the table (its
+    hour-long SLO in the mean window made the capacity ten times larger, and every new arrival went at
+    the highest threshold)."""
+    def tops(with_shadow: bool) -> list[float]:
+        loop = SchedulingLoop(make_policy("dilaserve"), make_view(profile, [1]))
+        if with_shadow:
+            loop.on_arrivals(0.0, [make_request("shadow", slo_s=3600.0, priority=BACKGROUND_PRIORITY)])
+        decisions = loop.on_arrivals(0.0, [make_request(f"r{i}", slo_s=2.0) for i in range(7)])
+        return [a.max_allowed_threshold for a in decisions.assignments if a.request_id != "shadow"]
+
+    plain = tops(False)
+    assert plain[-1] == 0.5 and tops(True) == plain
 
 
 def test_overload_narrows_ranges_seen_in_assignments(profile):
