@@ -40,7 +40,6 @@ import numpy as np
 from services.scheduler.core.request import Request
 from services.scheduler.core.view import ClusterView, InstanceView
 
-
 # a request at or below this priority is background work, outside load control's accounting (above)
 BACKGROUND_PRIORITY = -(10**6)
 
