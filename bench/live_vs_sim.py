@@ -11,7 +11,9 @@ control-plane time per step (``sim_cp``), and the SLO-attainment gaps in points.
 from __future__ import annotations
 
 import argparse
+import ast
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -20,7 +22,18 @@ from bench.common import emit_json
 LIVE_KEYS = ("completed", "failed", "slo_attainment", "accuracy", "mean_e2el_ms", "median_e2el_ms", "p99_e2el_ms",
              "mean_ttft_ms", "mean_steps", "mean_threshold", "request_throughput")
 SIM_KEYS = ("rps", "slo_attainment", "accuracy", "mean_latency_s", "p99_latency_s", "mean_steps", "mean_threshold",
-            "mean_batch_when_queued", "mean_batch_deep_queue", "num_steps_deep_queue", "breakdown")
+            "mean_batch_when_queued", "mean_batch_deep_queue", "num_steps_deep_queue", "breakdown", "late_yields")
+# the live scheduler's step counters, from the line it logs when it stops (the script's stack-RATE/ run dir)
+COUNTERS_LINE = re.compile(r"scheduler stopped; step counters: (\{.*\})")
+
+
+def live_counters(run_dir: Path) -> dict | None:
+    """The live scheduler's step counters (late yields, pipelined steps, ...), or None without its log."""
+    log = run_dir / "logs" / "scheduler.log"
+    if not log.exists():
+        return None
+    found = COUNTERS_LINE.findall(log.read_text(errors="replace"))
+    return ast.literal_eval(found[-1]) if found else None
 
 
 def _rate_name(rate: float) -> str:
@@ -64,6 +77,11 @@ def gather(preset: str, out_dir: Path, rates: list[float]) -> dict:
             # seconds from arrival to the first step, each side
             "first_step_wait_s": {"live": (live_report.get("batch_when_queued") or {}).get("mean_first_step_wait_s"),
                                   "sim": (sim.get("breakdown") or {}).get("queueing_s")},
+            # requests that left a step to those still on time (late yields), each side, and the live
+            # scheduler's other step counters
+            "late_yields": {"live": (counters := live_counters(out_dir / f"stack-{name}") or {}).get("late_yields"),
+                            "sim": sim.get("late_yields")},
+            "live_step_counters": counters or None,
             "gap_pp": round(100 * abs(live["slo_attainment"] - sim["slo_attainment"]), 1),
             "gap_cp_pp": round(100 * abs(live["slo_attainment"] - sim_cp["slo_attainment"]), 1),
         })

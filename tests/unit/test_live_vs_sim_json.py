@@ -41,3 +41,22 @@ def test_a_missing_run_names_the_command_that_makes_it(tmp_path, capsys):
 def test_rates_must_be_numbers(tmp_path):
     with pytest.raises(SystemExit):
         main(["--preset", "live-local-long", "--dir", str(tmp_path), "--rates", "fast"])
+
+
+def test_late_yields_are_read_from_each_side(tmp_path):
+    """The simulator's count from its point, the live scheduler's from the counters line it logs when
+    it stops (the script's stack-RATE run directory); none where that log is missing."""
+    _write(tmp_path, "7", 0.25, 0.32, 0.30)
+    point = json.loads((tmp_path / "sim-7.json").read_text())
+    point["policies"]["dilaserve"]["points"][0]["late_yields"] = 314
+    (tmp_path / "sim-7.json").write_text(json.dumps(point))
+    assert gather("live-local", tmp_path, [7.0])["points"][0]["late_yields"] == {"live": None, "sim": 314}
+    logs = tmp_path / "stack-7" / "logs"
+    logs.mkdir(parents=True)
+    (logs / "scheduler.log").write_text(
+        "2026-12-07 21:06:31,833 dls.scheduler INFO scheduler ready\n"
+        "2026-12-07 21:08:24,395 dls.scheduler INFO scheduler stopped; step counters: "
+        "{'continued_steps': 33, 'pipelined_steps': 30, 'late_yields': 219}\n")
+    result = gather("live-local", tmp_path, [7.0])["points"][0]
+    assert result["late_yields"] == {"live": 219, "sim": 314}
+    assert result["live_step_counters"]["pipelined_steps"] == 30
