@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from services.scheduler.core.base import LogCursor
 from services.scheduler.core.decisions import BatchOutcome, Decisions, Rejection, RejectReason, StepAssignment
 from services.scheduler.core.load import (
+    BACKGROUND_PRIORITY,
     LoadController,
     LoadTable,
     SloWindow,
@@ -241,9 +242,11 @@ class DiLaServePolicy:
         """Of the requests a step on ``instance_id`` would carry, those that yield their places in it:
         the late ones (their estimated time left at their lowest threshold and batch 1 ends past their
         deadline) beyond the ``late_per_step`` with the earliest deadlines, while any of the requests
-        can still make its deadline; none overdue by more than ``late_yield_slos`` of its SLO."""
+        can still make its deadline; none overdue by more than ``late_yield_slos`` of its SLO.
+        Background work (``BACKGROUND_PRIORITY``: shadow decodes) neither yields nor is yielded to."""
         limit = self.config.late_per_step
         inst = view.instances.get(instance_id)
+        requests = [r for r in requests if r.priority > BACKGROUND_PRIORITY]
         if limit is None or not self._uses_estimates or inst is None or len(requests) <= limit:
             return set()
         known = [r for r in requests if r.request_id in self.table.rid_to_row]

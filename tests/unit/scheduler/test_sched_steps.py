@@ -15,6 +15,7 @@ from services.scheduler.core import (
     StoredProgress,
     make_policy,
 )
+from services.scheduler.core.load import BACKGROUND_PRIORITY
 from tests.unit.scheduler.sched_builders import make_request, make_view, toy_profile, uniform_prediction
 
 NO_OVERLAP = StepConfig(overlap_min_tokens=0, pipelining=False)
@@ -531,6 +532,18 @@ def test_late_requests_yield_their_places_to_those_that_can_still_make_their_dea
     [first] = plain(baseline.on_arrivals(0.0, [make_request(rid, 0.0, state_version=1, slo_s=slo)
                                                 for rid, slo in slos]))
     assert len(first.items) == 5
+
+
+def test_late_requests_do_not_yield_to_background_work():
+    """A shadow decode (background priority, an hour's SLO) on the instance is not a request that can
+    still make its deadline: with it and late client requests alone, the late ones all go."""
+    slos = (("late1", 0.02), ("late2", 0.01), ("late3", 0.03))
+    core = make_core(StepConfig(overlap_min_tokens=0, pipelining=False, recompute_tokens=0))
+    shadow = make_request("shadow", 0.0, state_version=1, slo_s=3600.0, priority=BACKGROUND_PRIORITY)
+    out = core.on_arrivals(0.0, [shadow, *(make_request(rid, 0.0, state_version=1, slo_s=slo) for rid, slo in slos)])
+    [first] = plain(out)
+    assert sorted(it.request_id for it in first.items) == ["late1", "late2", "late3", "shadow"]
+    assert core.counters["late_yields"] == 0
 
 
 def test_a_request_overdue_by_more_than_its_slos_yields_no_more():
