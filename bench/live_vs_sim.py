@@ -59,6 +59,7 @@ def gather(preset: str, out_dir: Path, rates: list[float]) -> dict:
         sim_cp, cp_setup = _sim_point(files["sim-cp"])
         live_report = json.loads(files["live"].read_text())
         live = {k: live_report.get(k) for k in LIVE_KEYS}
+        counters = live_counters(out_dir / f"stack-{name}")
         points.append({
             "rate_rps": rate,
             "num_requests": live_report.get("num_requests"),
@@ -79,9 +80,8 @@ def gather(preset: str, out_dir: Path, rates: list[float]) -> dict:
                                   "sim": (sim.get("breakdown") or {}).get("queueing_s")},
             # requests that left a step to those still on time (late yields), each side, and the live
             # scheduler's other step counters
-            "late_yields": {"live": (counters := live_counters(out_dir / f"stack-{name}") or {}).get("late_yields"),
-                            "sim": sim.get("late_yields")},
-            "live_step_counters": counters or None,
+            "late_yields": {"live": (counters or {}).get("late_yields"), "sim": sim.get("late_yields")},
+            "live_step_counters": counters,
             "gap_pp": round(100 * abs(live["slo_attainment"] - sim["slo_attainment"]), 1),
             "gap_cp_pp": round(100 * abs(live["slo_attainment"] - sim_cp["slo_attainment"]), 1),
         })
