@@ -11,6 +11,12 @@ Step prediction (defaults, overridable per workload and per class):
 Its shape follows the paper's LLaDA/GSM8K measurement: lowering the threshold from 0.9 to 0.7 cuts
 the steps by about 38%. Thresholds between table entries are interpolated linearly.
 
+Counted from the canvas, the defaults take every block to the canvas's end, where an answer stops at
+the block that completes its EOS: on the bundled model's short answers (a canvas of 16 in blocks of 8)
+they counted 6 steps at 0.7 where the engine takes 2.4, and so planned twice the GPUs a load needs.
+A ``StepTable`` (the served model's measured steps per request, by canvas, block and threshold: its
+calibration) replaces them where it is given (``MonitorSettings.step_table``).
+
 Latency of a request at TP degree d, batch b: ``n_recompute * alpha_d(b) * context_scale +
 n_cache * beta_d(b)``. ``context_scale`` = (prompt + output tokens) / the profile's context length
 (recompute steps run over the whole sequence, so they scale with it; cache steps run over one block).
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from dataclasses import dataclass
 
 from shared.profiles import LatencyProfile
 
@@ -89,3 +96,59 @@ def class_slo_s(profile: LatencyProfile, workload: Workload, request_class: Requ
     smallest_tp = profile.tp_degrees[0]
     steps = predicted_steps(workload, request_class, max(workload.thresholds))
     return workload.slo_factor * request_latency_s(profile, request_class, steps, smallest_tp, 1)
+
+
+@dataclass(frozen=True)
+class MeasuredSteps:
+    """Mean steps per request of a model at each threshold, measured on requests of one canvas and block."""
+
+    canvas_tokens: int  # the generation length of the requests measured
+    block_length: int
+    steps: dict[float, StepCounts]  # threshold -> mean (recompute, cache) steps per request
+    kv_cache: bool = False  # False: measured without a cache (every step counted as a recompute step)
+
+
+@dataclass(frozen=True)
+class StepTable:
+    """A model's measured steps per request (its calibration), for Stage 1 in place of the defaults.
+
+    ``steps`` answers for a class of ``output_tokens`` in blocks of ``block_length``: the measurement of
+    the same block length if there is one (else any), of the canvas nearest the class's (by ratio),
+    scaled by the class's canvas over the measured one; thresholds between measured ones interpolated
+    linearly, outside them clamped to the nearest. Without a cache every step is a recompute step; with
+    one, a measurement without a cache splits its steps as the default rule does (one recompute step per
+    block, at most all of them).
+    """
+
+    entries: tuple[MeasuredSteps, ...]
+
+    def __post_init__(self) -> None:
+        if not self.entries or any(not e.steps or e.canvas_tokens < 1 or e.block_length < 1 for e in self.entries):
+            raise ValueError("a step table needs at least one measurement, each with a canvas, a block and steps")
+
+    def steps(self, output_tokens: int, block_length: int, threshold: float, kv_cache: bool) -> StepCounts:
+        same_block = [e for e in self.entries if e.block_length == block_length] or list(self.entries)
+        entry = min(same_block, key=lambda e: (abs(math.log(max(1, output_tokens) / e.canvas_tokens)), e.canvas_tokens))
+        scale = max(1, output_tokens) / entry.canvas_tokens
+        measured = _interpolated(entry.steps, threshold)
+        total = measured.total * scale
+        if not kv_cache:
+            return StepCounts(recompute=total, cache=0.0)
+        if entry.kv_cache:
+            recompute = measured.recompute * scale
+        else:
+            recompute = min(total, float(math.ceil(max(1, output_tokens) / block_length)))
+        return StepCounts(recompute=recompute, cache=max(0.0, total - recompute))
+
+
+def _interpolated(steps: dict[float, StepCounts], threshold: float) -> StepCounts:
+    keys = sorted(steps)
+    if threshold <= keys[0]:
+        return steps[keys[0]]
+    if threshold >= keys[-1]:
+        return steps[keys[-1]]
+    i = bisect.bisect_left(keys, threshold)
+    lo, hi = keys[i - 1], keys[i]
+    w = (threshold - lo) / (hi - lo)
+    a, b = steps[lo], steps[hi]
+    return StepCounts(recompute=a.recompute + (b.recompute - a.recompute) * w, cache=a.cache + (b.cache - a.cache) * w)

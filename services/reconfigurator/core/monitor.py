@@ -22,6 +22,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from .latency import StepTable
 from .spec import DEFAULT_BLOCK_LENGTH, DEFAULT_SAFETY_BUFFER, DEFAULT_THRESHOLDS, RequestClass, Workload
 
 
@@ -70,6 +71,9 @@ class MonitorSettings:
     block_length: int = DEFAULT_BLOCK_LENGTH
     kv_cache: bool = True
     slo_s: float | None = None  # default SLO for requests without one (None: the workload's factor rule)
+    # the served model's measured steps per request (its calibration); None: counted from the canvas with
+    # the default tokens-per-step table (``latency.py``)
+    step_table: StepTable | None = None
 
 
 @dataclass
@@ -181,10 +185,15 @@ class WorkloadMonitor:
     def _request_class(self, bucket: tuple[int, int], totals: _BinTotals, rate: float) -> RequestClass:
         # Mean lengths stand for the class; the safety buffer on the rate absorbs the rest. The SLO is
         # the tightest any request of the class carried (conservative); None: the workload default.
+        s = self._settings
+        output_tokens = max(1, math.ceil(totals.output_tokens / totals.count))
+        measured = {} if s.step_table is None else {
+            t: s.step_table.steps(output_tokens, s.block_length, t, s.kv_cache) for t in s.thresholds}
         return RequestClass(
-            name=self._settings.buckets.name_of(bucket),
+            name=s.buckets.name_of(bucket),
             prompt_tokens=math.ceil(totals.prompt_tokens / totals.count),
-            output_tokens=max(1, math.ceil(totals.output_tokens / totals.count)),
+            output_tokens=output_tokens,
             rate=rate,
             slo_s=totals.min_slo_s,
+            steps_by_threshold=measured,
         )
