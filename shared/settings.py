@@ -459,6 +459,12 @@ class ReconfiguratorSettings(ServesModels, ServiceSettings):
                          "its instances to that instance serving (drain, stop, load its weights, warm up), which "
                          "the division weighs against what a move gains; name=seconds pairs, comma-separated; a "
                          f"model not named: {DEFAULT_SWITCH_S:g}")
+    hedge_share: float = _own("reconfigurator", "hedge_share", 1.0,
+                              "with several models: while the GPUs allow (at the lowest thresholds), each model with "
+                              "load is planned for at least this share of all the cluster's arrivals, so that a flip "
+                              "of the mix does not find it with the few GPUs its own load needs; the share is lowered "
+                              "until the plans fit, to 0 where the models' own loads fill the cluster; 0: each model "
+                              "planned for its own load alone", ge=0, le=1)
     min_instances: str = _own("reconfigurator", "min_instances", "",
                               "with several models: the instances each one keeps with no load, as name=n pairs, "
                               f"comma-separated (0 allowed); a model not named: {DEFAULT_MIN_INSTANCES}")

@@ -330,7 +330,7 @@ class ReconfiguratorService:
             monitor = next(iter(model_to_monitor.values()))
             return Reconfigurator(self.profile, self.clock, monitor, options, **common)
         return ModelsReconfigurator(model_demands(settings, self.profiles), self.clock, model_to_monitor, options,
-                                    **common)
+                                    hedge_share=settings.hedge_share, **common)
 
     # --- lifecycle -------------------------------------------------------------------------------
 
@@ -588,6 +588,9 @@ class ReconfiguratorService:
                 if self.models:
                     logger.info("plan %s divides the GPUs: %s (running: %s)", plan.plan_id,
                                 division_summary(plan.division), division_summary(plan.current))
+                    hedge = getattr(self.core, "last_hedge", None)
+                    if hedge is not None:
+                        logger.info("plan %s planned each model for: %s", plan.plan_id, hedge.describe())
                 if self.settings.enabled:
                     await self._publish(wire, operator=False)
                     if self.models and plan.division is not None:

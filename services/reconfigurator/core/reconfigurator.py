@@ -20,6 +20,7 @@ from typing import ClassVar
 
 from shared.profiles import LatencyProfile
 
+from .hedge import DEFAULT_MAX_SHARE, Hedge, hedge_demands
 from .monitor import ArrivalEvent, MonitorSettings, WorkloadMonitor
 from .plan import ReconfigPlan
 from .planner import ModelsOutcome, PlannerOptions, PlanOutcome, plan_models, plan_reconfiguration
@@ -107,7 +108,8 @@ class ModelsReconfigurator:
 
     ``models``: one ``ModelDemand`` per served model, its workload left empty (each round fills it
     from that model's monitor); ``monitor_settings``: per model name (each model's block length and
-    SLO), or one for all."""
+    SLO), or one for all; ``hedge_share``: each loaded model is planned for at least this share of all
+    the arrivals while the GPUs allow (``hedge.hedge_demands``; 0: its own load alone)."""
 
     divides_models: ClassVar[bool] = True  # step() takes the model of every running instance
 
@@ -120,6 +122,7 @@ class ModelsReconfigurator:
         margin: float = 0.10,
         ack_timeout_s: float = 300.0,
         plan_ids: Iterator[str] | None = None,
+        hedge_share: float = DEFAULT_MAX_SHARE,
     ) -> None:
         if not models:
             raise ValueError("ModelsReconfigurator needs at least one model")
@@ -136,6 +139,8 @@ class ModelsReconfigurator:
         self.trigger = ReconfigTrigger(clock, margin=margin, ack_timeout_s=ack_timeout_s)
         self.planner_options = planner_options or PlannerOptions()
         self.plan_ids = plan_ids or (f"plan-{n}" for n in itertools.count(1))
+        self.hedge_share = hedge_share  # the most of the cluster's arrivals each model is planned for (0: none)
+        self.last_hedge: Hedge | None = None  # the last round's
 
     def observe(self, event: ArrivalEvent, model: str = "") -> None:
         """One arrival of ``model`` ("" or a model not served: the first model's)."""
@@ -158,7 +163,8 @@ class ModelsReconfigurator:
             # arrivals paused (or ended) while requests may still be queued: no plan shrinks what serves them
             return ModelsRound(TriggerDecision(False, "no model has arrivals in the window: the cluster keeps its "
                                                       "shape"), None)
-        outcome = plan_models(demands, cluster, running_models, next(self.plan_ids), self.planner_options)
+        hedged, self.last_hedge = hedge_demands(demands, cluster, self.planner_options.stage1, self.hedge_share)
+        outcome = plan_models(hedged, cluster, running_models, next(self.plan_ids), self.planner_options)
         decision = self.trigger.consider(outcome.plan_id, outcome.division, outcome.current,
                                           gains_wait_reason(list(self._monitors.values())))
         return ModelsRound(self._cold_start(decision, outcome, self._unserved(demands, running_models)), outcome)

@@ -49,7 +49,7 @@ def running(cluster, split: dict[str, int]):
 
 def test_the_division_follows_each_models_own_arrivals_and_waits_for_its_acknowledgement():
     clock = Clock()
-    divider = ModelsReconfigurator(models(), clock, SETTINGS)
+    divider = ModelsReconfigurator(models(), clock, SETTINGS, hedge_share=0.0)  # the loads alone (no hedge)
     cluster, on = running(uniform_cluster(2, 8, (1, 2)), {"a": 8, "b": 8})
     arrive(divider, clock, {"a": 12.0, "b": 0.5})
     first = divider.step(cluster, on)
