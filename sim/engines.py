@@ -29,6 +29,8 @@ from typing import Protocol
 
 import numpy as np
 
+from services.reconfigurator.core.latency import MeasuredSteps
+from services.reconfigurator.core.spec import StepCounts
 from services.scheduler.core import CacheMode
 from shared.tasks import SHORT_FAMILIES, Family, Split, TaskGenerator, check_answer
 from sim.registry import Registry
@@ -229,6 +231,15 @@ class ReplayTrace:
         key = _tkey(threshold)
         rec = self.mean_recompute_steps[key]
         return rec, self.mean_steps[key] - rec
+
+    def measured_steps(self) -> MeasuredSteps:
+        """Mean steps per request at each recorded threshold, as the planner's step table reads them (the
+        model's calibration of its steps on this trace's canvas and block)."""
+        steps = {}
+        for key, total in self.mean_steps.items():
+            recompute = self.mean_recompute_steps.get(key, total)
+            steps[float(key)] = StepCounts(recompute=recompute, cache=max(0.0, total - recompute))
+        return MeasuredSteps(self.gen_len, self.block_len, steps, kv_cache=True)
 
     def to_json(self) -> dict:
         data = dict(self.__dict__)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from services.reconfigurator.core.latency import StepTable
 from services.reconfigurator.core.monitor import LengthBuckets, MonitorSettings
 from services.reconfigurator.core.planner import PlannerOptions
 from services.reconfigurator.core.reconfigurator import Reconfigurator
@@ -322,6 +323,15 @@ def run_point(setup_: Setup, label: str, point_index: int, engine_name: str | No
         summary["reconfigurations"] = result.reconfigurations
         summary["attainment_over_time"] = attainment_over_time(result.records, preset.sample_period_s * 6)
     return summary
+
+
+def calibrated_planning(settings: MonitorSettings, setup_: Setup) -> MonitorSettings:
+    """``settings`` planning with the served model's calibration, as the scheduler serves it: thresholds
+    among DiLaServe's candidates (the quality budget's) and steps per request as the replay trace measured
+    them (``ReplayTrace.measured_steps``) rather than counted from the canvas. The multi-model preset
+    plans so; the single-model presets' planner still counts from the canvas (``docs/notes.md``)."""
+    return dataclasses.replace(settings, thresholds=tuple(setup_.candidate_thresholds()),
+                               step_table=StepTable((setup_.trace.measured_steps(),)))
 
 
 def _reconfigurator(setup_: Setup, clock: VirtualClock) -> Reconfigurator:

@@ -45,7 +45,14 @@ from services.scheduler.core import CacheMode, ClusterView, SchedulingLoop, make
 from shared.profiles import LatencyProfile
 from sim.cluster import ClusterSpec, SimCluster, initial_placement
 from sim.engines import DEFAULT_MODEL_DIR, ENGINES
-from sim.experiments import DEFAULT_PROFILE, Setup, nominal_capacity, policy_config, setup
+from sim.experiments import (
+    DEFAULT_PROFILE,
+    Setup,
+    calibrated_planning,
+    nominal_capacity,
+    policy_config,
+    setup,
+)
 from sim.metrics import SimRequestRecord, attainment_over_time, summarize
 from sim.presets import Preset
 from sim.registry import Registry
@@ -186,14 +193,16 @@ def even_split(ms: MultiSetup) -> dict[str, int]:
 
 
 def _monitor(ms: MultiSetup, m: ModelSetup) -> MonitorSettings:
+    """The model's workload monitor, planning with its calibration (``calibrated_planning``). Both models
+    replay the bundled model's trace, so they share its candidates and its steps."""
     spec = ms.preset.base.cluster
-    return MonitorSettings(
+    return calibrated_planning(MonitorSettings(
         window_s=spec.reconfig_window_s, min_window_s=min(10.0, spec.reconfig_window_s),
         block_length=ms.preset.base.workload.block_len, slo_s=m.slo_s,
         kv_cache=ms.preset.base.cache_mode != CacheMode.NONE,
         buckets=LengthBuckets(prompt_edges=(64, 128), output_edges=(16,)),
         **({} if spec.reconfig_peak_windows is None else {"peak_windows": spec.reconfig_peak_windows}),
-    )
+    ), ms.shared)
 
 
 def divider(ms: MultiSetup, label: str, clock: VirtualClock):
