@@ -14,7 +14,11 @@ Policies (``DIVISIONS``):
 - ``per-model``: DiLaServe scheduling, GPUs divided by ``SharedBudgetPlanners``: each model's own
   planner scales it by its own load under one GPU budget (the Dynamo / llm-d / AIBrix pattern).
 - ``dilaserve-fixed``: ``dilaserve``'s division with every threshold held at 0.9 (the highest
-  candidate, where a light load keeps them): what lowering thresholds through a move adds.
+  candidate, where a light load keeps them).
+- ``dilaserve-frozen``: ``dilaserve``, but the requests of each model arriving in the two minutes after
+  a flip run at the threshold its requests ran at in the minute before the flip (in ``dilaserve``'s own
+  run at the same point: ``pre_flip_thresholds``): what lowering thresholds through a move adds (the
+  bridge). Requests already running at the flip keep theirs.
 - ``static``: DiLaServe scheduling on the best static split, chosen in hindsight (every split of the
   grid run, the best aggregate attainment kept).
 - ``infaas``, ``llumnix``: those baselines' scheduling on the same best static split.
@@ -60,9 +64,10 @@ from sim.simulator import Simulator, VirtualClock
 from sim.timing import StepTimer, anchored
 from sim.workload import RequestSpec, SloClass, WorkloadConfig, generate
 
-DIVISIONS = ("dilaserve", "dilaserve-fixed", "per-model", "static", "infaas", "llumnix")
+DIVISIONS = ("dilaserve", "dilaserve-frozen", "dilaserve-fixed", "per-model", "static", "infaas", "llumnix")
 STATIC = ("static", "infaas", "llumnix")  # policies on the best static split
 FLIP_WINDOW_S = 120.0  # attainment in this long after a flip, against the steady level
+PRE_FLIP_S = 60.0  # the thresholds a model ran at before a flip: its requests finishing in this long before it
 
 
 @dataclass(frozen=True)
@@ -222,9 +227,12 @@ def divider(ms: MultiSetup, label: str, clock: VirtualClock):
 
 
 def run(ms: MultiSetup, label: str, rate_mult: float, seed: int = 0, split: dict[str, int] | None = None,
-        only: str | None = None, num_gpus: int | None = None) -> dict:
+        only: str | None = None, num_gpus: int | None = None, frozen: dict[str, list[float | None]] | None = None) -> dict:
     """One policy at one rate. ``split``: GPUs per model for a static policy (default: even); ``only``
-    with ``num_gpus``: one model's requests alone on a cluster of that many GPUs (the peak-each sizing)."""
+    with ``num_gpus``: one model's requests alone on a cluster of that many GPUs (the peak-each sizing);
+    ``frozen`` (``dilaserve-frozen``: model -> threshold at each flip, None: not held): the requests of a
+    model arriving in the ``FLIP_WINDOW_S`` after a flip pinned at its threshold there; unset, a
+    ``dilaserve`` run at the same point gives them (its ``pre_flip_thresholds``)."""
     preset = ms.preset
     spec = preset.base.cluster
     if only is not None:
@@ -232,7 +240,12 @@ def run(ms: MultiSetup, label: str, rate_mult: float, seed: int = 0, split: dict
                                    initial_tp=(spec.initial_tp[0],) * (num_gpus // spec.initial_tp[0]))
     rate = rate_mult * ms.capacity_rps
     requests = requests_of(ms, rate, seed, only)
-    policy = {"static": "dilaserve", "per-model": "dilaserve", "dilaserve-fixed": "fixed-0.9"}.get(label, label)
+    if label == "dilaserve-frozen":
+        if frozen is None:
+            frozen = {n: f["pre_flip_thresholds"] for n, f in run(ms, "dilaserve", rate_mult, seed)["by_model"].items()}
+        requests = freeze_after_flips(requests, preset.flips_s, frozen)
+    policy = {"static": "dilaserve", "per-model": "dilaserve", "dilaserve-fixed": "fixed-0.9",
+              "dilaserve-frozen": "dilaserve"}.get(label, label)
     name, config = policy_config(ms.shared, policy)
     view = ClusterView()
     cluster = SimCluster(spec, ms.shared.profile, view, profiles={n: m.profile for n, m in ms.models.items()})
@@ -273,6 +286,36 @@ def _model_figures(ms: MultiSetup, records: list[SimRequestRecord]) -> dict:
                              "mean_threshold")}
     out["attainment_over_time"] = attainment_over_time(records, ms.preset.flip_bin_s)["slo_attainment"]
     out["after_flips"] = after_flips(records, ms.preset.flips_s)
+    out["pre_flip_thresholds"] = pre_flip_thresholds(records, ms.preset.flips_s)
+    return out
+
+
+def pre_flip_thresholds(records: list[SimRequestRecord], flips_s: list[float]) -> list[float | None]:
+    """The mean threshold of the steps of the requests finishing in the ``PRE_FLIP_S`` before each flip
+    (None where none finished)."""
+    out = []
+    for f in flips_s:
+        done = [r for r in records if r.finish_s is not None and f - PRE_FLIP_S <= r.finish_s < f and r.num_steps]
+        steps = sum(r.num_steps for r in done)
+        out.append(round(sum(r.threshold_sum for r in done) / steps, 4) if steps else None)
+    return out
+
+
+def freeze_after_flips(requests: list[RequestSpec], flips_s: list[float],
+                       frozen: dict[str, list[float | None]]) -> list[RequestSpec]:
+    """``requests`` with those of each model arriving in the ``FLIP_WINDOW_S`` after a flip pinned at the
+    model's threshold at that flip (both bounds; where it lies between candidates, the scheduler's range
+    holds the candidates between its floor and ceiling, so it is rounded to the nearest 0.1, the grid's
+    step)."""
+    out = []
+    for r in requests:
+        values = frozen.get(r.model) or []
+        for f, value in zip(flips_s, values, strict=False):
+            if value is not None and f <= r.arrival_s < f + FLIP_WINDOW_S:
+                pinned = round(value, 1)
+                r = dataclasses.replace(r, min_threshold=pinned, max_threshold=pinned)
+                break
+        out.append(r)
     return out
 
 
@@ -351,10 +394,14 @@ def compare(ms: MultiSetup, labels: list[str] | None = None, seed: int = 0, prog
                                       for t in tried]
             if "static" in labels:
                 point["policies"]["static"] = next(t["summary"] for t in tried if t["split"] == split)
-        for label in labels:
+        ordered = sorted(labels, key=lambda label: label == "dilaserve-frozen")  # dilaserve's run first
+        for label in ordered:
             if label == "static":
                 continue
-            summary = run(ms, label, mult, seed, point.get("best_static_split"))
+            ours = point["policies"].get("dilaserve")
+            frozen = ({n: f["pre_flip_thresholds"] for n, f in ours["by_model"].items()}
+                      if label == "dilaserve-frozen" and ours is not None else None)
+            summary = run(ms, label, mult, seed, point.get("best_static_split"), frozen=frozen)
             point["policies"][label] = summary
             if progress:
                 progress(label, summary)
@@ -393,11 +440,13 @@ def headline(result: dict) -> dict:
     out["by_model"] = {name: {"slo_attainment": round(fig["slo_attainment"], 4), "accuracy": round(fig["accuracy"], 4),
                               "after_flips_of_steady": [f["of_steady"] for f in fig["after_flips"]["flips"]]}
                        for name, fig in ours["by_model"].items()}
-    fixed = top.get("dilaserve-fixed")
-    if fixed is not None:  # the same division with thresholds held: what lowering them through a move adds
-        for name, fig in fixed["by_model"].items():
+    held = top.get("dilaserve-frozen") or top.get("dilaserve-fixed")
+    if held is not None:  # thresholds held through the move (at their pre-flip values): what lowering them adds
+        for name, fig in held["by_model"].items():
             out["by_model"][name]["after_flips_thresholds_held"] = [f["slo_attainment"] for f in fig["after_flips"]["flips"]]
             out["by_model"][name]["after_flips"] = [f["slo_attainment"] for f in ours["by_model"][name]["after_flips"]["flips"]]
+            if "dilaserve-frozen" in top:
+                out["by_model"][name]["pre_flip_thresholds"] = ours["by_model"][name]["pre_flip_thresholds"]
     if "gpu_hours" in result:
         out["gpu_hours_saving"] = result["gpu_hours"]["saving"]
     return out

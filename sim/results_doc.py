@@ -557,6 +557,15 @@ def multi_model(data: dict | None, fast: dict | None) -> str:
               + f" GPUs ({gpu['each_model_its_peak']} GPU-hours against {gpu['dilaserve']}: saving "
                 f"{100 * gpu['saving']:.0f}%).") if gpu else ""
     out.append(f"DiLaServe's joint division: {lead}.{saving}")
+    bridge = {n: m for n, m in h.get("by_model", {}).items() if "pre_flip_thresholds" in m}
+    if bridge:
+        out.append("\nThe threshold bridge: in the two minutes after each flip, each model's requests inside their SLO "
+                   "with thresholds lowered as load control chooses (`dilaserve`) and held at the threshold the "
+                   "model ran at in the minute before the flip (`dilaserve-frozen`): "
+                   + "; ".join(f"{n} " + ", ".join(
+                       f"{100 * a:.1f}% against {100 * b:.1f}% (held at {t if t is None else f'{t:.2f}'})"
+                       for a, b, t in zip(m["after_flips"], m["after_flips_thresholds_held"], m["pre_flip_thresholds"],
+                                          strict=False)) for n, m in bridge.items()) + ".")
     if fast:
         f_top = fast["points"][-1]["policies"]
         out.append("\nWith a switch of "

@@ -210,7 +210,7 @@ class Simulator:
         request = Request(
             spec.request_id, spec.arrival_s, prompt_len, spec.gen_len, spec.slo_s, block_len=spec.block_len,
             priority=spec.priority, cache_mode=self.cache_mode, min_threshold=spec.min_threshold, model=spec.model,
-            state_version=1,
+            max_threshold=spec.max_threshold, state_version=1,
         )
         if self.reconfigurator is not None:
             self.reconfigurator.observe(ArrivalEvent(self.now, prompt_len, spec.gen_len, spec.slo_s), spec.model)

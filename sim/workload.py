@@ -57,6 +57,7 @@ class RequestSpec:
     priority: int = 0
     slo_class: str = "standard"
     min_threshold: float = 0.0
+    max_threshold: float = 1.0  # its ceiling (the multi-model preset's frozen thresholds pin both)
     nominal_prompt_tokens: int = 0  # ShareGPT-like length the request stands for (0: none)
     nominal_output_tokens: int = 0
     model: str = DEFAULT_MODEL  # the model it names: it runs only on instances of it (ClusterSpec.model)

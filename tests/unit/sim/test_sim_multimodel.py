@@ -126,3 +126,41 @@ def test_a_switch_made_before_break_leaves_no_gpu_idle(overlap):
         assert min(serving) == 8
     else:  # drained first: its GPUs idle through the load
         assert min(serving) < 8
+
+
+def test_frozen_thresholds_pin_the_requests_after_each_flip_alone():
+    from shared.tasks import Family, Problem
+    from sim.workload import RequestSpec
+
+    problem = Problem(Family.ADD, "1+1=", "2", "1+1=", 0)
+    specs = [RequestSpec(f"r{i}", t, problem, 16, 8, 1.0, model=m)
+             for i, (t, m) in enumerate([(10.0, "a"), (65.0, "a"), (70.0, "b"), (190.0, "a")])]
+    out = multimodel.freeze_after_flips(specs, [60.0], {"a": [0.83], "b": [None]})
+    assert [(r.min_threshold, r.max_threshold) for r in out] == [(0.0, 1.0), (0.8, 0.8), (0.0, 1.0), (0.0, 1.0)]
+
+
+def test_a_frozen_run_holds_each_models_pre_flip_threshold_after_the_flip(setup):
+    ours = run(setup, "dilaserve", 2.0)
+    frozen = {n: f["pre_flip_thresholds"] for n, f in ours["by_model"].items()}
+    assert all(len(v) == 1 and v[0] is not None and 0.7 - 1e-9 <= v[0] <= 0.9 + 1e-9 for v in frozen.values()), frozen
+    steps = []  # (request arrival, its model, the step's threshold) of every step started
+    original = Simulator._start
+
+    def start(self, command):
+        for it in command.items:
+            request = self.view.requests[it.request_id]
+            steps.append((request.arrival_time, request.model, it.threshold))
+        original(self, command)
+
+    Simulator._start = start
+    try:
+        held = run(setup, "dilaserve-frozen", 2.0, frozen=frozen)
+    finally:
+        Simulator._start = original
+    assert held["num_requests"] == ours["num_requests"]
+    flip = tiny().flips_s[0]
+    after = [(m, t) for arrival, m, t in steps if flip <= arrival < flip + multimodel.FLIP_WINDOW_S]
+    assert after
+    assert all(t == pytest.approx(round(frozen[m][0], 1)) for m, t in after)
+    before = {t for arrival, _, t in steps if arrival < flip}
+    assert len(before) > 1  # before the flip thresholds move as load control chooses
