@@ -563,7 +563,7 @@ def multi_model(data: dict | None, fast: dict | None) -> str:
                    "with thresholds lowered as load control chooses (`dilaserve`) and held at the threshold the "
                    "model ran at in the minute before the flip (`dilaserve-frozen`): "
                    + "; ".join(f"{n} " + ", ".join(
-                       f"{100 * a:.1f}% against {100 * b:.1f}% (held at {t if t is None else f'{t:.2f}'})"
+                       f"{100 * a:.1f}% against {100 * b:.1f}% (" + ("not held" if t is None else f"ran at {t:.2f} before, held at {round(t, 1):.1f}") + ")"
                        for a, b, t in zip(m["after_flips"], m["after_flips_thresholds_held"], m["pre_flip_thresholds"],
                                           strict=False)) for n, m in bridge.items()) + ".")
     if fast:
