@@ -39,8 +39,6 @@ class Hedge:
 
     share: float
     scales: dict[str, float]
-    rates: dict[str, float] = dataclasses.field(default_factory=dict)  # each loaded model's arrivals (req/s)
-    gpus_needed: dict[str, float] = dataclasses.field(default_factory=dict)  # at its own load, lowest thresholds
 
     def describe(self) -> str:
         scaled = ", ".join(f"{name} x{scale:.2f}" for name, scale in self.scales.items() if scale > 1.0)
@@ -87,4 +85,4 @@ def hedge_demands(demands: Sequence[ModelDemand], cluster: Cluster, options: Sta
     scales = scales_at(share)
     out = [dataclasses.replace(d, workload=d.workload.with_rate_scale(scales[d.name])) if scales.get(d.name, 1.0) > 1.0
            else d for d in demands]
-    return out, Hedge(share, {d.name: scales.get(d.name, 1.0) for d in demands}, rates, needed)
+    return out, Hedge(share, {d.name: scales.get(d.name, 1.0) for d in demands})

@@ -36,17 +36,21 @@ from .spec import RequestClass, StepCounts, Workload
 DEFAULT_TOKENS_PER_STEP: dict[float, float] = {0.5: 5.0, 0.6: 4.3, 0.7: 3.6, 0.8: 2.9, 0.9: 2.2, 1.0: 1.0}
 
 
+def _bracket(keys: list[float], x: float) -> tuple[float, float, float]:
+    """(lo, hi, weight of hi) for linear interpolation at ``x`` among sorted ``keys``, clamped at their ends."""
+    if x <= keys[0]:
+        return keys[0], keys[0], 0.0
+    if x >= keys[-1]:
+        return keys[-1], keys[-1], 0.0
+    i = bisect.bisect_left(keys, x)
+    lo, hi = keys[i - 1], keys[i]
+    return lo, hi, (x - lo) / (hi - lo)
+
+
 def tokens_per_step(table: dict[float, float], threshold: float) -> float:
     """Linear interpolation in ``table``; clamped at its ends; never below 1."""
-    keys = sorted(table)
-    if threshold <= keys[0]:
-        return max(1.0, table[keys[0]])
-    if threshold >= keys[-1]:
-        return max(1.0, table[keys[-1]])
-    i = bisect.bisect_left(keys, threshold)
-    lo, hi = keys[i - 1], keys[i]
-    value = table[lo] + (table[hi] - table[lo]) * (threshold - lo) / (hi - lo)
-    return max(1.0, value)
+    lo, hi, w = _bracket(sorted(table), threshold)
+    return max(1.0, table[lo] + (table[hi] - table[lo]) * w)
 
 
 def default_step_counts(
@@ -142,13 +146,6 @@ class StepTable:
 
 
 def _interpolated(steps: dict[float, StepCounts], threshold: float) -> StepCounts:
-    keys = sorted(steps)
-    if threshold <= keys[0]:
-        return steps[keys[0]]
-    if threshold >= keys[-1]:
-        return steps[keys[-1]]
-    i = bisect.bisect_left(keys, threshold)
-    lo, hi = keys[i - 1], keys[i]
-    w = (threshold - lo) / (hi - lo)
+    lo, hi, w = _bracket(sorted(steps), threshold)
     a, b = steps[lo], steps[hi]
     return StepCounts(recompute=a.recompute + (b.recompute - a.recompute) * w, cache=a.cache + (b.cache - a.cache) * w)
